@@ -1,0 +1,216 @@
+"""Per-process runtime context: the parallel, model and speculative config bags.
+
+Invariants:
+- Each bag is published once per process (``publish``); a second publish is an error.
+  Tests and ``sglite plan`` (which simulates many ranks in one process) use ``scoped`` instead.
+- Configured leaves (``tp_size``, ``dp_size``, ``enable_dp_attention``, ``attn_cp_size``, ...) are
+  readable as soon as the bag is published.
+- Live widths and ranks (``attn_tp_size``, ``attn_dp_size``, ``tp_rank``, groups, ...) exist only
+  after the parallel runtime stamps them (``ParallelState.stamp``). Reading one earlier raises
+  ``ParallelNotInitializedError`` naming the init step that has not run: there is no fallback value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+
+class ParallelNotInitializedError(RuntimeError):
+    """A live parallel width or rank was read before the parallel runtime stamped it."""
+
+
+@dataclass(frozen=True)
+class AttentionWidths:
+    """Attention widths derived from the configured parallel sizes."""
+
+    attn_tp_size: int
+    attn_dp_size: int
+    attn_cp_size: int
+
+
+def derive_attention_widths(
+    tp_size: int, dp_size: int, enable_dp_attention: bool, attn_cp_size: int = 1
+) -> AttentionWidths:
+    """Pure arithmetic of SGLang's DP attention: attn_dp = dp if DP attention else 1, attn_tp = tp/attn_dp/cp."""
+    if tp_size < 1 or dp_size < 1 or attn_cp_size < 1:
+        raise ValueError(
+            f"parallel sizes must be >= 1 (tp_size={tp_size}, dp_size={dp_size}, attn_cp_size={attn_cp_size})"
+        )
+    attn_dp_size = dp_size if enable_dp_attention else 1
+    if tp_size % (attn_dp_size * attn_cp_size) != 0:
+        raise ValueError(
+            f"--tp-size {tp_size} is not divisible by attention DP x CP = {attn_dp_size} x {attn_cp_size}"
+        )
+    attn_tp_size = tp_size // attn_dp_size // attn_cp_size
+    return AttentionWidths(attn_tp_size=attn_tp_size, attn_dp_size=attn_dp_size, attn_cp_size=attn_cp_size)
+
+
+# Live fields and the init step that stamps each; used for the "not yet initialised" message.
+_LIVE_FIELDS = {
+    "world_size": "init_distributed_environment",
+    "rank": "init_distributed_environment",
+    "backend": "init_distributed_environment",
+    "tp_rank": "initialize_model_parallel",
+    "attn_tp_size": "initialize_model_parallel",
+    "attn_tp_rank": "initialize_model_parallel",
+    "attn_cp_rank": "initialize_model_parallel",
+    "tp_group": "initialize_model_parallel",
+    "attn_tp_group": "initialize_model_parallel",
+    "attn_cp_group": "initialize_model_parallel",
+    "attn_dp_size": "initialize_dp_attention",
+    "attn_dp_rank": "initialize_dp_attention",
+    "dp_rank": "initialize_dp_attention",
+}
+
+
+class ParallelState:
+    """Configured parallel sizes plus live widths/ranks stamped by ``init_parallel_runtime``."""
+
+    def __init__(
+        self,
+        tp_size: int = 1,
+        dp_size: int = 1,
+        enable_dp_attention: bool = False,
+        attn_cp_size: int = 1,
+        pp_size: int = 1,
+    ) -> None:
+        self.tp_size = tp_size
+        self.dp_size = dp_size
+        self.enable_dp_attention = enable_dp_attention
+        self.attn_cp_size = attn_cp_size
+        self.pp_size = pp_size
+        self._live: dict[str, Any] = {}
+
+    def derived_widths(self) -> AttentionWidths:
+        """Widths the configured sizes imply (for validation and planning, never for pool builders)."""
+        return derive_attention_widths(self.tp_size, self.dp_size, self.enable_dp_attention, self.attn_cp_size)
+
+    def stamp(self, **live: Any) -> None:
+        """Record live widths/ranks; called only by the parallel runtime (or a simulated rank)."""
+        for name in live:
+            if name not in _LIVE_FIELDS:
+                raise KeyError(f"unknown live parallel field {name!r}")
+        self._live.update(live)
+
+    def is_stamped(self, name: str) -> bool:
+        """Whether a live field has been stamped."""
+        return name in self._live
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes not set in __init__, i.e. the live fields.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        step = _LIVE_FIELDS.get(name)
+        if step is None:
+            raise AttributeError(f"ParallelState has no field {name!r}")
+        live = self.__dict__.get("_live", {})
+        if name not in live:
+            raise ParallelNotInitializedError(
+                f"parallel width {name!r} is not available: {step}() has not run in this process "
+                f"(call init_parallel_runtime() first; there is no fallback value)"
+            )
+        return live[name]
+
+    def summary(self) -> dict[str, Any]:
+        """Configured and stamped values, for logs and /get_server_info."""
+        out: dict[str, Any] = {
+            "tp_size": self.tp_size,
+            "dp_size": self.dp_size,
+            "enable_dp_attention": self.enable_dp_attention,
+            "attn_cp_size": self.attn_cp_size,
+            "pp_size": self.pp_size,
+        }
+        out.update({k: v for k, v in self._live.items() if not k.endswith("_group")})
+        return out
+
+
+@dataclass
+class ModelBag:
+    """The target model's resolved config and dtype for this process."""
+
+    model_config: Any = None  # sglite.srt.configs.model_config.ModelConfig
+    dtype: Any = None  # torch.dtype
+    device: str = "cpu"
+
+
+@dataclass
+class SpecBag:
+    """Speculative-decoding settings for this process (algorithm None = no speculation)."""
+
+    algorithm: Optional[str] = None  # "DFLASH" | "DSPARK" | "EAGLE" | "STANDALONE" | None
+    draft_model_path: Optional[str] = None
+    num_draft_tokens: Optional[int] = None
+    draft_kv_cache_dtype: str = "auto"
+    draft_model_config: Any = None
+
+    def is_dflash_family(self) -> bool:
+        """DFLASH and DSPARK share the block-draft path and its exact memory term."""
+        return self.algorithm in ("DFLASH", "DSPARK")
+
+
+@dataclass
+class _Context:
+    parallel: Optional[ParallelState] = None
+    model: Optional[ModelBag] = None
+    spec: Optional[SpecBag] = None
+    published: set = field(default_factory=set)
+
+
+_CTX = _Context()
+
+
+def publish(
+    parallel: Optional[ParallelState] = None,
+    model: Optional[ModelBag] = None,
+    spec: Optional[SpecBag] = None,
+) -> None:
+    """Publish bags for this process; each bag may be published once."""
+    for name, bag in (("parallel", parallel), ("model", model), ("spec", spec)):
+        if bag is None:
+            continue
+        if name in _CTX.published:
+            raise RuntimeError(f"runtime context bag {name!r} was already published in this process")
+        setattr(_CTX, name, bag)
+        _CTX.published.add(name)
+
+
+@contextlib.contextmanager
+def scoped(
+    parallel: Optional[ParallelState] = None,
+    model: Optional[ModelBag] = None,
+    spec: Optional[SpecBag] = None,
+) -> Iterator[None]:
+    """Temporarily publish bags (tests, and `sglite plan` simulating one rank at a time)."""
+    saved = (_CTX.parallel, _CTX.model, _CTX.spec, set(_CTX.published))
+    for name, bag in (("parallel", parallel), ("model", model), ("spec", spec)):
+        if bag is not None:
+            setattr(_CTX, name, bag)
+            _CTX.published.add(name)
+    try:
+        yield
+    finally:
+        _CTX.parallel, _CTX.model, _CTX.spec, _CTX.published = saved
+
+
+def _get(name: str) -> Any:
+    bag = getattr(_CTX, name)
+    if bag is None:
+        raise RuntimeError(f"runtime context bag {name!r} has not been published in this process")
+    return bag
+
+
+def get_parallel() -> ParallelState:
+    """The published parallel bag."""
+    return _get("parallel")
+
+
+def get_model() -> ModelBag:
+    """The published model bag."""
+    return _get("model")
+
+
+def get_spec() -> SpecBag:
+    """The published speculative bag (algorithm None when speculation is off)."""
+    return _get("spec")

@@ -1,0 +1,232 @@
+"""ServerArgs: the one dataclass behind every CLI flag, with validation before anything loads.
+
+The argparse parser is generated from the dataclass fields (flag = ``--`` + name with dashes), so
+a new option is one field with its help text. ``validate()`` raises ``ServerArgsError`` with one
+line naming the flag to change; ``from_cli`` turns that into ``parser.error`` (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from sglite.srt.runtime_context import derive_attention_widths
+
+SPECULATIVE_ALGORITHMS = ("DFLASH", "DSPARK", "EAGLE", "STANDALONE")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "fake")
+DEVICES = ("cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+class ServerArgsError(ValueError):
+    """An invalid flag value or combination; the message names the flag to change."""
+
+
+def _opt(help: str, default: Any = None, choices: Optional[Sequence[Any]] = None, **kw: Any) -> Any:
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class ServerArgs:
+    """All server options; SGLang's flag names where SGLang has the option."""
+
+    # Model and tokenizer. model_path None = the embedded default model shipped with the package.
+    model_path: Optional[str] = _opt("Model directory (config.json + safetensors); default: the embedded model")
+    tokenizer_path: Optional[str] = _opt("Tokenizer directory; default: --model-path")
+    served_model_name: Optional[str] = _opt("Model name reported by the OpenAI API; default: --model-path")
+    context_length: Optional[int] = _opt("Maximum context length; default: the model's max_position_embeddings")
+    dtype: str = _opt("Weight and activation dtype", "auto", DTYPES)
+    device: Optional[str] = _opt("Device; default: cuda when available, else cpu", None, DEVICES)
+    random_seed: int = _opt("Random seed for sampling without a per-request seed", 0)
+
+    # HTTP server.
+    host: str = _opt("HTTP host", "127.0.0.1")
+    port: int = _opt("HTTP port", 30000)
+    api_key: Optional[str] = _opt("Require 'Authorization: Bearer <key>' (health and metrics stay public)")
+    enable_metrics: bool = _opt("Expose Prometheus metrics on /metrics", False)
+    log_level: str = _opt("Logging level", "info", LOG_LEVELS)
+
+    # Parallelism.
+    tp_size: int = _opt("Tensor-parallel size", 1)
+    dp_size: int = _opt("Data-parallel size", 1)
+    enable_dp_attention: bool = _opt("Run attention data-parallel (attn_tp = tp / dp) and the MLP at tp", False)
+    attn_cp_size: int = _opt("Attention context-parallel size", 1)
+    pp_size: int = _opt("Pipeline-parallel size (only 1 is supported)", 1)
+    dist_init_addr: Optional[str] = _opt("host:port for torch.distributed rendezvous; default: a free local port")
+    dist_timeout: int = _opt("Seconds before a distributed init or collective gives up", 60)
+
+    # Memory and scheduling.
+    kv_cache_dtype: str = _opt("KV cache dtype", "auto", KV_CACHE_DTYPES)
+    mem_fraction_static: float = _opt("Fraction of device memory for weights + KV pools (CUDA)", 0.85)
+    cpu_kv_cache_budget_mb: int = _opt("KV-pool byte budget on CPU, in MiB (CPU has no memory profile)", 256)
+    max_total_tokens: Optional[int] = _opt("Upper bound on KV-pool tokens (only lowers the planned capacity)")
+    max_running_requests: Optional[int] = _opt("Maximum concurrently running requests")
+    page_size: int = _opt("Tokens per KV page", 1)
+    chunked_prefill_size: int = _opt("Maximum prefill tokens per forward (-1 disables chunking)", 2048)
+    schedule_policy: str = _opt("Waiting-queue order: longest prefix match or first come first served", "lpm", SCHEDULE_POLICIES)
+    disable_radix_cache: bool = _opt("Disable the radix prefix cache", False)
+    attention_backend: Optional[str] = _opt("Attention backend; default: triton on CUDA, torch_native on CPU", None, ATTENTION_BACKENDS)
+    disable_cuda_graph: bool = _opt("Disable CUDA graphs", False)
+    cuda_graph_max_bs: int = _opt("Largest decode batch captured in a CUDA graph", 32)
+
+    # Speculative decoding.
+    speculative_algorithm: Optional[str] = _opt("Speculative decoding algorithm", None, SPECULATIVE_ALGORITHMS)
+    speculative_draft_model_path: Optional[str] = _opt("Draft model directory")
+    speculative_num_draft_tokens: Optional[int] = _opt("Block size B (DFLASH/DSPARK); default: the checkpoint's")
+    speculative_num_steps: Optional[int] = _opt("Draft steps (EAGLE/STANDALONE)")
+    speculative_draft_kv_cache_dtype: Optional[str] = _opt("Draft KV cache dtype; default: --kv-cache-dtype", None, KV_CACHE_DTYPES)
+    speculative_draft_attention_backend: Optional[str] = _opt("Draft attention backend; default: --attention-backend", None, ATTENTION_BACKENDS)
+
+    # PD disaggregation.
+    disaggregation_mode: str = _opt("Prefill/decode disaggregation role", "null", DISAGGREGATION_MODES)
+    disaggregation_bootstrap_port: int = _opt("Bootstrap server port on the prefill node", 8998)
+    disaggregation_transfer_backend: str = _opt("KV transfer backend", "mooncake", TRANSFER_BACKENDS)
+    disaggregation_decode_extra_slots: int = _opt("Extra request rows on a decode node for pre-allocation", 8)
+    num_reserved_decode_tokens: int = _opt("KV tokens a decode node reserves per request beyond the prompt", 512)
+    disaggregation_transfer_timeout: float = _opt("Seconds a decode node waits for a room's KV before failing it", 300.0)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "ServerArgs":
+        """Check every rule that can be checked before a model loads; raise ServerArgsError."""
+        _require(self.tp_size >= 1, "--tp-size must be >= 1")
+        _require(self.dp_size >= 1, "--dp-size must be >= 1")
+        _require(self.attn_cp_size >= 1, "--attn-cp-size must be >= 1")
+        _require(
+            self.pp_size == 1,
+            f"--pp-size {self.pp_size} is not supported: sglite has no pipeline parallelism; use --tp-size",
+        )
+        if self.enable_dp_attention:
+            _require(self.dp_size > 1, "--enable-dp-attention needs --dp-size > 1")
+            _require(
+                self.tp_size % self.dp_size == 0,
+                f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size} with --enable-dp-attention",
+            )
+        try:
+            derive_attention_widths(self.tp_size, self.dp_size, self.enable_dp_attention, self.attn_cp_size)
+        except ValueError as e:
+            raise ServerArgsError(f"{e}; change --tp-size, --dp-size or --attn-cp-size") from None
+        _require(
+            isinstance(self.mem_fraction_static, (int, float))
+            and math.isfinite(self.mem_fraction_static)
+            and 0.0 < self.mem_fraction_static < 1.0,
+            f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}",
+        )
+        _require(self.page_size >= 1, "--page-size must be >= 1")
+        _require(self.cpu_kv_cache_budget_mb > 0, "--cpu-kv-cache-budget-mb must be > 0")
+        _require(self.max_total_tokens is None or self.max_total_tokens > 0, "--max-total-tokens must be > 0")
+        _require(
+            self.max_running_requests is None or self.max_running_requests > 0,
+            "--max-running-requests must be > 0",
+        )
+        _require(self.context_length is None or self.context_length > 0, "--context-length must be > 0")
+        _require(
+            self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size,
+            "--chunked-prefill-size must be -1 (off) or >= --page-size",
+        )
+        for flag, value, allowed in (
+            ("--dtype", self.dtype, DTYPES),
+            ("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES),
+            ("--speculative-draft-kv-cache-dtype", self.speculative_draft_kv_cache_dtype, KV_CACHE_DTYPES + (None,)),
+            ("--attention-backend", self.attention_backend, ATTENTION_BACKENDS + (None,)),
+            ("--speculative-algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS + (None,)),
+            ("--disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES),
+            ("--disaggregation-transfer-backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS),
+            ("--device", self.device, DEVICES + (None,)),
+        ):
+            _require(value in allowed, f"{flag} {value!r} is unknown; choose one of {[a for a in allowed if a]}")
+        algo = self.speculative_algorithm
+        if algo in ("DFLASH", "DSPARK", "EAGLE", "STANDALONE"):
+            _require(
+                self.speculative_draft_model_path is not None,
+                f"--speculative-algorithm {algo} needs --speculative-draft-model-path",
+            )
+        if algo is None:
+            _require(
+                self.speculative_draft_model_path is None,
+                "--speculative-draft-model-path is set but --speculative-algorithm is not",
+            )
+        if self.speculative_num_draft_tokens is not None:
+            _require(self.speculative_num_draft_tokens >= 1, "--speculative-num-draft-tokens must be >= 1")
+        if self.attention_backend == "flashinfer" and self.resolved_device() != "cuda":
+            raise ServerArgsError("--attention-backend flashinfer needs CUDA; use triton or torch_native on CPU")
+        _require(1 <= self.port <= 65535, f"--port {self.port} is out of range")
+        return self
+
+    # ------------------------------------------------------------------ derived values
+    def resolved_device(self) -> str:
+        """The device to run on: the flag, else cuda when available, else cpu."""
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_attention_backend(self) -> str:
+        """The attention backend: the flag, else triton on CUDA and torch_native on CPU."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.resolved_device() == "cuda" else "torch_native"
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields, with the API key masked (for /get_server_info and logs)."""
+        d = dataclasses.asdict(self)
+        if d.get("api_key"):
+            d["api_key"] = "***"
+        return d
+
+    # ------------------------------------------------------------------ CLI
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per dataclass field, named as SGLang names it."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
+            ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            if ftype == "bool":
+                kwargs["action"] = "store_true"
+            else:
+                kwargs["type"] = _parse_type(ftype)
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+            if f.default is not None and ftype != "bool":
+                help_text += f" (default: {f.default})"
+            parser.add_argument(flag, help=help_text, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        """Build from a parsed namespace (unvalidated)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_cli(cls, argv: Optional[Sequence[str]] = None, prog: str = "sglite serve") -> "ServerArgs":
+        """Parse and validate; a bad flag exits 2 with one line naming it."""
+        parser = argparse.ArgumentParser(prog=prog, description="Launch the sglite server.")
+        cls.add_cli_args(parser)
+        args = parser.parse_args(argv)
+        try:
+            return cls.from_cli_args(args).validate()
+        except ServerArgsError as e:
+            parser.error(str(e))
+            raise  # unreachable: parser.error exits
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ServerArgsError(message)
+
+
+def _parse_type(type_name: str):
+    name = type_name.replace("Optional[", "").rstrip("]")
+    return {"int": int, "float": float, "str": str}.get(name, str)
