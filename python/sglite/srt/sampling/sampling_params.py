@@ -1,0 +1,93 @@
+"""Per-request sampling parameters and their validation (one field, one clear message)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional, Union
+
+# top_k value meaning "no top-k" after normalisation (SGLang uses -1 on the wire, a large int inside).
+TOP_K_ALL = 1 << 30
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; the message starts with the field name."""
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how: length, stopping and the sampling distribution."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: Optional[int] = None
+    n: int = 1
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
+        """Build from a request dict, ignoring unknown keys (routers add fields of their own)."""
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known and v is not None}
+        stop: Union[str, list[str], None] = kwargs.get("stop")
+        if isinstance(stop, str):
+            kwargs["stop"] = [stop]
+        return cls(**kwargs)
+
+    def verify(self, vocab_size: Optional[int] = None) -> "SamplingParams":
+        """Raise SamplingParamsError naming the first invalid field."""
+
+        def bad(name: str, why: str) -> SamplingParamsError:
+            return SamplingParamsError(f"{name} {why}")
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise bad("max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
+            raise bad("top_k", f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not _is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise bad("stop", "must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise bad("stop", "must not contain empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of integers")
+        if vocab_size is not None and any(t < 0 or t >= vocab_size for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if not _is_int(self.n) or self.n != 1:
+            raise bad("n", f"only n=1 is supported, got {self.n!r}")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperature 0 (or top_k 1) selects the argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def normalized_top_k(self) -> int:
+        """top_k with -1 mapped to 'all tokens'."""
+        return TOP_K_ALL if self.top_k == -1 else self.top_k
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for ZMQ messages and logs)."""
+        return asdict(self)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
