@@ -1,0 +1,137 @@
+"""Paged token-slot allocator shared by the target and draft KV pools (slot i is one token in both).
+
+Slots live in ``[page_size, size + page_size)``; page 0 (slots ``[0, page_size)``) is a reserved padding
+page so slot 0 can be the dummy write target of padded rows. Free space is tracked in whole pages: a
+page is owned by one request, and freeing any slot of a page frees the page.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+IntSeq = Union[Sequence[int], torch.Tensor]
+
+
+def _to_list(x: IntSeq) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.tolist()]
+    return [int(v) for v in x]
+
+
+class PagedTokenToKVPoolAllocator:
+    """Hands out KV slot indices in whole pages; ``page_size`` 1 is plain token allocation."""
+
+    def __init__(self, size: int, page_size: int, device: Union[str, torch.device]) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if size < page_size or size % page_size != 0:
+            raise ValueError(f"allocator size {size} must be a positive multiple of page_size {page_size}")
+        self.size = size
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.num_pages = size // page_size
+        self.clear()
+
+    def clear(self) -> None:
+        """Return every page to the free list (pages 1..num_pages; page 0 is padding)."""
+        # Bookkeeping stays on CPU: sizes are needed in Python anyway, and meta tensors hold no values.
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
+        self._page_is_free[0] = False
+
+    # ------------------------------------------------------------------ queries
+    def available_size(self) -> int:
+        """Free slots (whole free pages × page_size)."""
+        return int(self._free_pages.numel()) * self.page_size
+
+    def _out(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.device.type == "cpu" else idx.to(self.device)
+
+    def _take_pages(self, k: int) -> Optional[torch.Tensor]:
+        if k > self._free_pages.numel():
+            return None
+        pages = self._free_pages[:k]
+        self._free_pages = self._free_pages[k:]
+        self._page_is_free[pages] = False
+        return pages
+
+    # ------------------------------------------------------------------ alloc / free
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """``need_size`` fresh slots from ``ceil(need/page)`` whole pages (page-contiguous); None when short."""
+        if need_size < 0:
+            raise ValueError(f"need_size must be >= 0, got {need_size}")
+        if need_size == 0:
+            return self._out(torch.empty(0, dtype=torch.int64))
+        num_pages = -(-need_size // self.page_size)
+        pages = self._take_pages(num_pages)
+        if pages is None:
+            return None
+        offs = torch.arange(self.page_size, dtype=torch.int64)
+        slots = (pages[:, None] * self.page_size + offs[None, :]).reshape(-1)[:need_size]
+        return self._out(slots)
+
+    def alloc_extend(
+        self, prefix_lens: IntSeq, seq_lens: IntSeq, last_locs: IntSeq
+    ) -> Optional[torch.Tensor]:
+        """Slots for tokens ``[prefix_len, seq_len)`` of each request, concatenated in request order.
+
+        Each request first fills the rest of the page holding its last token (``last_locs[i]``, the slot
+        of token ``prefix_len-1``; ignored when ``prefix_len`` is 0), then takes fresh pages. Returns
+        None (and allocates nothing) when there are not enough free pages.
+        """
+        prefix, seq, last = _to_list(prefix_lens), _to_list(seq_lens), _to_list(last_locs)
+        if not (len(prefix) == len(seq) == len(last)):
+            raise ValueError("prefix_lens, seq_lens and last_locs must have the same length")
+        p = self.page_size
+        plans: list[tuple[int, int, int]] = []  # (first tail slot, tail count, fresh count)
+        fresh_pages = 0
+        for pre, sl, loc in zip(prefix, seq, last):
+            n = sl - pre
+            if n < 0:
+                raise ValueError(f"seq_len {sl} < prefix_len {pre}")
+            tail = 0
+            if pre > 0 and pre % p != 0:
+                tail = min(n, p - pre % p)
+                if loc < p or loc % p != (pre - 1) % p:
+                    raise ValueError(
+                        f"last_loc {loc} does not hold token {pre - 1} of its page (page_size {p})"
+                    )
+            fresh = n - tail
+            plans.append((loc + 1, tail, fresh))
+            fresh_pages += -(-fresh // p)
+        pages = self._take_pages(fresh_pages)
+        if pages is None:
+            return None
+        offs = torch.arange(p, dtype=torch.int64)
+        out: list[torch.Tensor] = []
+        cursor = 0
+        for start, tail, fresh in plans:
+            if tail:
+                out.append(torch.arange(start, start + tail, dtype=torch.int64))
+            if fresh:
+                k = -(-fresh // p)
+                mine = pages[cursor : cursor + k]
+                cursor += k
+                out.append((mine[:, None] * p + offs[None, :]).reshape(-1)[:fresh])
+        if not out:
+            return self._out(torch.empty(0, dtype=torch.int64))
+        return self._out(torch.cat(out))
+
+    def alloc_decode(self, seq_lens: IntSeq, last_locs: IntSeq) -> Optional[torch.Tensor]:
+        """One slot per request for the token at position ``seq_len - 1`` (``seq_lens`` after the step)."""
+        seq = _to_list(seq_lens)
+        return self.alloc_extend([s - 1 for s in seq], seq, last_locs)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Free the pages holding these slots; freeing a free page or the padding page is an error."""
+        if free_index is None or free_index.numel() == 0:
+            return
+        pages = torch.unique(free_index.detach().to("cpu", torch.int64) // self.page_size)
+        if int(pages.min()) < 1 or int(pages.max()) > self.num_pages:
+            raise ValueError(f"free(): slot outside [{self.page_size}, {self.size + self.page_size})")
+        if bool(self._page_is_free[pages].any()):
+            raise ValueError("free(): a page being freed is already free (double free)")
+        self._page_is_free[pages] = True
+        self._free_pages = torch.cat([self._free_pages, pages])
