@@ -1,0 +1,89 @@
+"""The attention-backend interface every backend implements (docs/internals.md, "Model execution").
+
+A backend receives the new tokens' q/k/v of one layer, writes k/v into the paged KV pool at
+``forward_batch.out_cache_loc`` and attends each request's queries over ``req_to_token[row, :seq_len]``.
+Semantics per request with prefix length P and n new tokens (new query i sits at position P+i):
+EXTEND / DECODE / TARGET_VERIFY are causal (query i sees keys ``[0, P+i]``); DRAFT_BLOCK is non-causal
+inside the block (every query sees keys ``[0, P+n)``). With a sliding window W a query at position p
+additionally sees only keys at positions k with ``p - k < W`` (HF ``sliding_window`` convention).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # imported for type hints only; the modules import this one
+    from sglite.srt.layers.attention.radix_attention import RadixAttention
+    from sglite.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+def mode_name(forward_batch: "ForwardBatch") -> str:
+    """Name of the batch's forward mode (``EXTEND``, ``DECODE``, ``TARGET_VERIFY``, ``DRAFT_BLOCK``, ``IDLE``)."""
+    return forward_batch.forward_mode.name
+
+
+def is_causal_mode(forward_batch: "ForwardBatch") -> bool:
+    """True for EXTEND/DECODE/TARGET_VERIFY; False for DRAFT_BLOCK (non-causal inside the block)."""
+    name = mode_name(forward_batch)
+    if name in ("EXTEND", "DECODE", "TARGET_VERIFY"):
+        return True
+    if name == "DRAFT_BLOCK":
+        return False
+    raise ValueError(f"attention has no semantics for forward mode {name}")
+
+
+def cpu_list(values: object, fallback: torch.Tensor) -> list[int]:
+    """A per-request python list: the ``*_cpu`` field when the batch carries it, else the device tensor's values."""
+    if values is not None:
+        return [int(x) for x in values]  # type: ignore[union-attr]
+    return [int(x) for x in fallback.tolist()]
+
+
+class AttentionBackend(ABC):
+    """Base class: dispatches ``forward`` to the decode or the extend-family path."""
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Prepare per-batch metadata (index arrays, plans) once before the layers run."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: "RadixAttention",
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Write k/v at ``out_cache_loc`` (when ``save_kv_cache``) and attend; q ``[T, H*D]`` → o ``[T, H*Dv]``."""
+        name = mode_name(forward_batch)
+        if name == "IDLE":
+            return q.new_empty((0, layer.num_heads * layer.v_head_dim))
+        if save_kv_cache:
+            self.save_kv(k, v, layer, forward_batch)
+        if name == "DECODE":
+            return self.forward_decode(q, layer, forward_batch)
+        return self.forward_extend(q, layer, forward_batch, causal=is_causal_mode(forward_batch))
+
+    def save_kv(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> None:
+        """Write the new tokens' K/V into the layer's pool buffers at ``out_cache_loc``."""
+        n = forward_batch.out_cache_loc.numel()
+        forward_batch.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id,
+            forward_batch.out_cache_loc,
+            k.reshape(n, layer.num_kv_heads, layer.head_dim),
+            v.reshape(n, layer.num_kv_heads, layer.v_head_dim),
+        )
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
+        """One new token per request; keys ``req_to_token[row, :seq_len]`` (the new one included)."""
+
+    @abstractmethod
+    def forward_extend(
+        self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch", causal: bool
+    ) -> torch.Tensor:
+        """n new tokens per request over prefix + new keys; ``causal=False`` for DRAFT_BLOCK."""
