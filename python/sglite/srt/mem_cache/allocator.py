@@ -135,3 +135,86 @@ class PagedTokenToKVPoolAllocator:
             raise ValueError("free(): a page being freed is already free (double free)")
         self._page_is_free[pages] = True
         self._free_pages = torch.cat([self._free_pages, pages])
+
+
+class SWATokenToKVPoolAllocator:
+    """Allocates a full-pool slot and a sliding-pool slot per token and records full→swa in the pool's mapping.
+
+    Callers only ever see full-pool slots. ``free_swa`` releases the sliding slots of tokens that left
+    the window (pass whole pages: freeing is per page) while their full slots stay allocated.
+    """
+
+    def __init__(self, full_size: int, swa_size: int, page_size: int, device, full_to_swa_index_mapping: torch.Tensor) -> None:
+        if full_to_swa_index_mapping.numel() != full_size + page_size:
+            raise ValueError("full_to_swa_index_mapping must have full_size + page_size entries")
+        self.full_attn_allocator = PagedTokenToKVPoolAllocator(full_size, page_size, device)
+        self.swa_attn_allocator = PagedTokenToKVPoolAllocator(swa_size, page_size, device)
+        self.full_to_swa_index_mapping = full_to_swa_index_mapping
+        self.size = full_size
+        self.swa_size = swa_size
+        self.page_size = page_size
+        self.device = torch.device(device)
+
+    def available_size(self) -> int:
+        """Tokens that can be allocated now (limited by the smaller free space)."""
+        return min(self.full_attn_allocator.available_size(), self.swa_attn_allocator.available_size())
+
+    def full_available_size(self) -> int:
+        """Free full-pool slots."""
+        return self.full_attn_allocator.available_size()
+
+    def swa_available_size(self) -> int:
+        """Free sliding-pool slots."""
+        return self.swa_attn_allocator.available_size()
+
+    def _pair(self, full: Optional[torch.Tensor], swa: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if full is None or swa is None:
+            if full is not None:
+                self.full_attn_allocator.free(full)
+            if swa is not None:
+                self.swa_attn_allocator.free(swa)
+            return None
+        self.full_to_swa_index_mapping[full.to(self.full_to_swa_index_mapping.device)] = swa.to(
+            self.full_to_swa_index_mapping.device
+        )
+        return full
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """Full-pool slots for ``need_size`` tokens (with their sliding slots mapped); None when short."""
+        return self._pair(self.full_attn_allocator.alloc(need_size), self.swa_attn_allocator.alloc(need_size))
+
+    def alloc_extend(self, prefix_lens: IntSeq, seq_lens: IntSeq, last_locs: IntSeq) -> Optional[torch.Tensor]:
+        """Page-aware extend in both pools (see ``PagedTokenToKVPoolAllocator.alloc_extend``)."""
+        last = torch.as_tensor(_to_list(last_locs), dtype=torch.int64)
+        swa_last = torch.where(
+            last >= self.page_size,
+            self.full_to_swa_index_mapping.to("cpu")[last.clamp(min=0)],
+            last,
+        )
+        full = self.full_attn_allocator.alloc_extend(prefix_lens, seq_lens, last)
+        if full is None:
+            return None
+        return self._pair(full, self.swa_attn_allocator.alloc_extend(prefix_lens, seq_lens, swa_last))
+
+    def alloc_decode(self, seq_lens: IntSeq, last_locs: IntSeq) -> Optional[torch.Tensor]:
+        """One slot per request for the token at ``seq_len - 1``."""
+        seq = _to_list(seq_lens)
+        return self.alloc_extend([s - 1 for s in seq], seq, last_locs)
+
+    def free_swa(self, free_index: torch.Tensor) -> None:
+        """Free only the sliding slots of these full slots (tokens outside the window)."""
+        if free_index is None or free_index.numel() == 0:
+            return
+        idx = free_index.to(self.full_to_swa_index_mapping.device).long()
+        swa = self.full_to_swa_index_mapping[idx]
+        swa = swa[swa > 0]
+        if swa.numel():
+            self.swa_attn_allocator.free(swa)
+        self.full_to_swa_index_mapping[idx] = 0
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Free full slots and whatever sliding slots they still hold."""
+        if free_index is None or free_index.numel() == 0:
+            return
+        self.free_swa(free_index)
+        self.full_attn_allocator.free(free_index)

@@ -63,3 +63,85 @@ def test_mha_pool_subset_of_model_layers():
     assert p.get_key_buffer(7).shape[0] == 9
     with pytest.raises(KeyError, match="layer 0"):
         p.get_key_buffer(0)
+
+
+# ---------------------------------------------------------------- MLA, SWA pair, hybrid linear
+from sglite.srt.mem_cache.allocator import SWATokenToKVPoolAllocator  # noqa: E402
+from sglite.srt.mem_cache.memory_pool import (  # noqa: E402
+    HybridLinearKVPool,
+    MambaStatePool,
+    MLATokenToKVPool,
+    SWAKVPool,
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_mla_pool_bytes_and_layout(device):
+    p = MLATokenToKVPool(64, 16, torch.bfloat16, 512, 64, 3, device)
+    assert p.nbytes() == (64 + 16) * 576 * 3 * 2 == MLATokenToKVPool.planned_bytes(64, 16, torch.bfloat16, 512, 64, 3)
+    assert tuple(p.get_key_buffer(2).shape) == (80, 1, 576)
+    assert tuple(p.get_value_buffer(2).shape) == (80, 1, 512)
+
+
+def test_mla_pool_roundtrip():
+    p = MLATokenToKVPool(8, 1, torch.float32, 6, 2, 1, "cpu")
+    loc = torch.tensor([3])
+    nope, rope = torch.randn(1, 6), torch.randn(1, 2)
+    p.set_mla_kv_buffer(0, loc, nope, rope)
+    assert torch.equal(p.get_key_buffer(0)[3, 0], torch.cat([nope[0], rope[0]]))
+    assert torch.equal(p.get_value_buffer(0)[3, 0], nope[0])
+
+
+def _swa(device="cpu", full=32, swa=16, page=4):
+    return SWAKVPool(
+        full, swa, page, torch.float32,
+        2, 8, 8, [1, 3],  # full layers
+        1, 4, 4, [0, 2],  # sliding layers (their own head count and dim)
+        device,
+    )
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_swa_pool_bytes(device):
+    p = _swa(device)
+    planned = SWAKVPool.planned_bytes(32, 16, 4, torch.float32, 2, 8, 8, 2, 1, 4, 4, 2)
+    assert p.part_nbytes() == planned
+    assert planned["full"] == 36 * 2 * 16 * 2 * 4
+    assert planned["swa"] == 20 * 1 * 8 * 2 * 4
+    assert planned["mapping"] == 36 * 8
+    assert p.nbytes() == sum(planned.values())
+
+
+def test_swa_allocator_maps_full_slots_to_sliding_slots():
+    p = _swa(page=1, full=8, swa=4)
+    a = SWATokenToKVPoolAllocator(8, 4, 1, "cpu", p.full_to_swa_index_mapping)
+    full = a.alloc(3)
+    swa = p.translate_loc_to_swa(full)
+    assert (swa >= 1).all() and (swa < 5).all() and swa.unique().numel() == 3
+    k = torch.randn(3, 1, 4)
+    p.set_kv_buffer(0, full, k, k)  # sliding layer: written at the sliding slots
+    assert torch.equal(p.get_key_buffer(0)[swa], k)
+    kf = torch.randn(3, 2, 8)
+    p.set_kv_buffer(1, full, kf, kf)  # full layer: written at the full slots
+    assert torch.equal(p.get_key_buffer(1)[full], kf)
+    assert a.available_size() == 1  # sliding pool is the limit
+    assert a.alloc(2) is None and a.full_available_size() == 5  # failed alloc gave back its full slots
+    a.free_swa(full[:2])  # two tokens left the window
+    assert a.swa_available_size() == 3 and a.full_available_size() == 5
+    assert p.translate_loc_to_swa(full[:2]).tolist() == [0, 0]
+    a.free(full)
+    assert a.full_available_size() == 8 and a.swa_available_size() == 4
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_hybrid_linear_pool_bytes(device):
+    kv = MHATokenToKVPool(16, 1, torch.bfloat16, 2, 8, 8, 1, device, layer_ids=[3])
+    st = MambaStatePool(4, [0, 1, 2], 2, 8, 8, 12, 4, torch.float32, torch.bfloat16, device)
+    pool = HybridLinearKVPool(kv, st)
+    per_slot = MambaStatePool.bytes_per_slot(3, 2, 8, 8, 12, 4, torch.float32, torch.bfloat16)
+    assert per_slot == 3 * (2 * 8 * 8 * 4 + 12 * 3 * 2)
+    assert st.nbytes() == 5 * per_slot == MambaStatePool.planned_bytes(4, 3, 2, 8, 8, 12, 4, torch.float32, torch.bfloat16)
+    assert pool.nbytes() == kv.nbytes() + st.nbytes()
+    assert pool.get_key_buffer(3).shape[0] == 17
+    with pytest.raises(ValueError):
+        HybridLinearKVPool(MHATokenToKVPool(16, 1, torch.bfloat16, 2, 8, 8, 1, device, layer_ids=[0]), st)
