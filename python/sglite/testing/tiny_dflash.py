@@ -1,0 +1,296 @@
+"""Tiny DFLASH / DSPARK drafts for tests: random checkpoints in the public format, a few-second trainer,
+and a re-run of the `dflash` package's greedy loop that reports per-step acceptance lengths.
+
+The `dflash` package (the DFlash authors' reference) is a test-only dependency; it is imported
+inside the functions that need it so importing this module never requires it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+TINY_VOCAB = 512
+TINY_MASK_TOKEN_ID = TINY_VOCAB - 1
+
+
+@dataclass(frozen=True)
+class TinyDraftSpec:
+    """Shape of a tiny block-diffusion draft."""
+
+    num_layers: int = 2
+    block_size: int = 4
+    mask_token_id: int = TINY_MASK_TOKEN_ID
+    target_layer_ids: tuple[int, ...] = (1, 2)
+
+
+@dataclass
+class TrainedDraft:
+    """A draft trained against a target, and the prompts it was trained on."""
+
+    draft_dir: str
+    prompts: list[list[int]]
+    final_loss: float
+
+
+def build_tiny_target(path: str, *, seed: int = 0, num_layers: int = 4, vocab_size: int = TINY_VOCAB) -> str:
+    """Save a tiny random fp32 Qwen3 target (hidden 64, GQA 4/2 heads, wide init so greedy paths vary)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(path)
+    return path
+
+
+def _draft_config(target_dir: str, spec: TinyDraftSpec):
+    from transformers import AutoConfig, Qwen3Config
+
+    target_cfg = AutoConfig.from_pretrained(target_dir)
+    return Qwen3Config(
+        vocab_size=target_cfg.vocab_size,
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=target_cfg.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=target_cfg.num_attention_heads,
+        num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=target_cfg.head_dim,
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        rope_theta=getattr(target_cfg, "rope_theta", None) or target_cfg.rope_parameters["rope_theta"],
+        initializer_range=0.3,
+        num_target_layers=target_cfg.num_hidden_layers,
+        block_size=spec.block_size,
+        dflash_config={
+            "block_size": spec.block_size,
+            "mask_token_id": spec.mask_token_id,
+            "target_layer_ids": list(spec.target_layer_ids),
+        },
+        architectures=["DFlashDraftModel"],
+    )
+
+
+def build_tiny_dflash_draft(path: str, target_dir: str, *, seed: int = 1, spec: TinyDraftSpec = TinyDraftSpec()) -> str:
+    """Save a random `dflash.model.DFlashDraftModel` matching the target's dims (public checkpoint format)."""
+    from dflash.model import DFlashDraftModel
+
+    torch.manual_seed(seed)
+    draft = DFlashDraftModel(_draft_config(target_dir, spec)).to(torch.float32).eval()
+    draft.config.architectures = ["DFlashDraftModel"]
+    draft.save_pretrained(path)
+    return path
+
+
+def load_reference_pair(target_dir: str, draft_dir: str):
+    """Load the target (transformers) and the draft (`dflash` package) in fp32 with sdpa attention."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3ForCausalLM
+
+    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return target, draft
+
+
+def random_prompts(num: int, *, seed: int, min_len: int = 4, max_len: int = 12, vocab_size: int = TINY_VOCAB) -> list[list[int]]:
+    """Random prompts of token ids below the mask id, lengths in [min_len, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        n = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        out.append(torch.randint(0, vocab_size - 1, (n,), generator=g).tolist())
+    return out
+
+
+@torch.no_grad()
+def _greedy_trajectories(target, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = target.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+        out.append(gen[0].tolist())
+    return out
+
+
+def train_tiny_draft(
+    out_dir: str,
+    target_dir: str,
+    *,
+    steps: int = 300,
+    seed: int = 0,
+    num_prompts: int = 16,
+    prompt_len: int = 10,
+    new_tokens: int = 48,
+    spec: TinyDraftSpec = TinyDraftSpec(),
+    lr: float = 3e-3,
+) -> TrainedDraft:
+    """Overfit a draft on the target's greedy continuations of a few prompts, so acceptance is high but partial.
+
+    Each step picks one anchor a for a batch of trajectories s: block ``[s[a], MASK x (B-1)]``,
+    context = target features of ``s[:a]``, loss = cross-entropy of the target's lm_head over the
+    block rows 1..B-1 against ``s[a+1 : a+B]`` (the DFlash training target, without decay).
+    """
+    from dflash.model import DFlashDraftModel, extract_context_feature
+
+    torch.manual_seed(seed)
+    from transformers import Qwen3ForCausalLM
+
+    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    draft = DFlashDraftModel(_draft_config(target_dir, spec)).to(torch.float32).train()
+    prompts = random_prompts(num_prompts, seed=seed + 1000, min_len=prompt_len, max_len=prompt_len)
+    seqs = torch.tensor(_greedy_trajectories(target, prompts, new_tokens))  # [N, T]
+    with torch.no_grad():
+        out = target(seqs, output_hidden_states=True)
+        feats = extract_context_feature(out.hidden_states, draft.target_layer_ids)  # [N, T, K*H]
+        embed = target.get_input_embeddings().weight
+    block = spec.block_size
+    total = seqs.shape[1]
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    loss_val = float("nan")
+    for _ in range(steps):
+        a = int(torch.randint(1, total - block + 1, (1,), generator=g))
+        noise_ids = torch.full((seqs.shape[0], block), spec.mask_token_id, dtype=torch.long)
+        noise_ids[:, 0] = seqs[:, a]
+        hidden = draft(
+            position_ids=torch.arange(a + block)[None].expand(seqs.shape[0], -1),
+            noise_embedding=torch.nn.functional.embedding(noise_ids, embed),
+            target_hidden=feats[:, :a],
+        )
+        logits = target.lm_head(hidden[:, 1:])
+        labels = seqs[:, a + 1 : a + block]
+        valid = labels.shape[1]
+        loss = torch.nn.functional.cross_entropy(logits[:, :valid].reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loss_val = float(loss.detach())
+    draft.eval()
+    draft.config.architectures = ["DFlashDraftModel"]
+    draft.save_pretrained(out_dir)
+    return TrainedDraft(draft_dir=out_dir, prompts=prompts, final_loss=loss_val)
+
+
+def build_tiny_dspark_draft(
+    path: str,
+    dflash_draft_dir: str,
+    *,
+    markov_rank: int = 8,
+    markov_scale: float = 1.0,
+    seed: int = 2,
+    enable_confidence_head: bool = False,
+) -> str:
+    """Save a DSPARK draft in the public config format: the DFLASH draft's weights + a Markov head.
+
+    Config fields move to the top level (``mask_token_id``, ``target_layer_ids``, ``block_size``,
+    ``markov_rank``); weights add ``markov_w1.weight [V, r]`` (previous-token embedding) and
+    ``markov_w2.weight [V, r]`` (projection to a logit bias). ``markov_scale=0`` zeroes the head.
+    """
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(dflash_draft_dir, "config.json")) as f:
+        cfg = json.load(f)
+    nested = cfg.pop("dflash_config", {})
+    cfg.update(
+        architectures=["DSparkDraftModel"],
+        mask_token_id=nested["mask_token_id"],
+        target_layer_ids=nested["target_layer_ids"],
+        block_size=nested.get("block_size", cfg.get("block_size", 16)),
+        markov_rank=markov_rank,
+        markov_head_type="vanilla",
+        enable_confidence_head=enable_confidence_head,
+    )
+    cfg.pop("auto_map", None)
+    weights = load_file(os.path.join(dflash_draft_dir, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    weights["markov_w1.weight"] = torch.randn(vocab, markov_rank, generator=g) * markov_scale
+    weights["markov_w2.weight"] = torch.randn(vocab, markov_rank, generator=g) * markov_scale
+    if enable_confidence_head:
+        weights["confidence_head.weight"] = torch.randn(1, hidden, generator=g) * 0.1
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return path
+
+
+@torch.no_grad()
+def reference_block_generate(
+    draft,
+    target,
+    input_ids: list[int],
+    max_new_tokens: int,
+    stop_token_ids: Optional[list[int]] = None,
+    block_size: Optional[int] = None,
+) -> tuple[list[int], list[int]]:
+    """Greedy `dflash_generate` loop re-run with the package's classes, always verifying full blocks.
+
+    `dflash.model.dflash_generate` shrinks the last block to the remaining budget and does not
+    return per-step lengths on CPU; this re-run keeps every block at B (as a serving engine does,
+    truncating output to the budget) and returns (generated ids, tokens committed per verify step).
+    Tests check it against `dflash_generate` itself.
+    """
+    from dflash.model import _crop_to, _make_cache, extract_context_feature
+
+    block = draft.block_size if block_size is None else block_size
+    embed = target.get_input_embeddings().weight
+    n_in = len(input_ids)
+    ids = torch.tensor([input_ids])
+    tcache, dcache = _make_cache(target.config), _make_cache(draft.config)
+    out = target(ids, position_ids=torch.arange(n_in)[None], past_key_values=tcache, use_cache=True, output_hidden_states=True)
+    tokens = list(input_ids) + [int(out.logits[0, -1].argmax())]
+    hidden = extract_context_feature(out.hidden_states, draft.target_layer_ids)
+    stops = set(stop_token_ids or [])
+    lengths: list[int] = []
+    start = n_in  # index of the last committed token (the next block's anchor)
+    stopped = tokens[-1] in stops
+    while len(tokens) - n_in < max_new_tokens and not stopped:
+        blk = torch.full((1, block), draft.mask_token_id, dtype=torch.long)
+        blk[0, 0] = tokens[start]
+        ctx = hidden.shape[1]
+        dh = draft(
+            target_hidden=hidden,
+            noise_embedding=torch.nn.functional.embedding(blk, embed),
+            position_ids=torch.arange(start - ctx, start + block)[None],
+            past_key_values=dcache,
+            use_cache=True,
+        )[:, 1:]
+        _crop_to(dcache, start)
+        blk[0, 1:] = target.lm_head(dh)[0].argmax(-1)
+        vo = target(blk, position_ids=torch.arange(start, start + block)[None], past_key_values=tcache, use_cache=True, output_hidden_states=True)
+        post = vo.logits[0].argmax(-1)
+        acc = int((blk[0, 1:] == post[:-1]).to(torch.int64).cumprod(0).sum())
+        new = blk[0, 1 : 1 + acc].tolist() + [int(post[acc])]
+        new = new[: max_new_tokens - (len(tokens) - n_in)]
+        for i, t in enumerate(new):
+            if t in stops:
+                new = new[: i + 1]
+                stopped = True
+                break
+        tokens += new
+        lengths.append(len(new))
+        start += len(new)
+        _crop_to(tcache, start)
+        hidden = extract_context_feature(vo.hidden_states, draft.target_layer_ids)[:, : len(new)]
+    return tokens[n_in:], lengths

@@ -1,0 +1,77 @@
+"""Block verification: greedy longest-prefix accept and lossless sampling verification."""
+
+import torch
+
+from sglite.srt.speculative.dflash_utils import (
+    committed_tokens,
+    greedy_verify,
+    sampling_probs,
+    sampling_verify,
+)
+
+SUITE = "unit-cpu"
+EST_TIME = 10
+
+
+def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value (upper regularised gamma), cells with expected count >= 5."""
+    n = observed.sum()
+    expected = expected_probs.double() * n
+    keep = expected >= 5
+    obs, exp = observed.double()[keep], expected[keep]
+    # Fold the rare cells into one so the total still matches.
+    obs = torch.cat([obs, (n - obs.sum()).reshape(1)])
+    exp = torch.cat([exp, (n - exp.sum()).reshape(1)])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+def test_greedy_verify_longest_prefix_and_bonus():
+    block = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 3]])
+    argmax = torch.tensor([[1, 2, 3, 9], [1, 7, 3, 9], [4, 2, 3, 9]])
+    r = greedy_verify(block, argmax)
+    assert r.accept_lens.tolist() == [3, 1, 0]
+    assert r.bonus_ids.tolist() == [9, 7, 4]
+    assert committed_tokens(block, r) == [[1, 2, 3, 9], [1, 7], [4]]
+
+
+def test_greedy_verify_later_match_after_mismatch_not_accepted():
+    block = torch.tensor([[0, 1, 2, 3]])
+    argmax = torch.tensor([[1, 0, 3, 4]])  # draft 3 matches row 2, but draft 2 already failed
+    r = greedy_verify(block, argmax)
+    assert r.accept_lens.tolist() == [1]
+    assert r.bonus_ids.tolist() == [0]
+
+
+def test_sampling_probs_filters():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
+    p = sampling_probs(logits, torch.tensor([1.0]), top_ks=torch.tensor([2]))
+    assert torch.allclose(p[0, 0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = sampling_probs(logits, torch.tensor([1.0]), top_ps=torch.tensor([0.7]))
+    assert torch.allclose(p[0, 0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = sampling_probs(logits, torch.tensor([1.0]), top_ks=torch.tensor([-1]))
+    assert torch.allclose(p[0, 0], torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+def test_sampling_verify_is_lossless():
+    """The committed first and second tokens follow the target's chain distribution exactly."""
+    vocab, block, n = 6, 3, 60000
+    g = torch.Generator().manual_seed(0)
+    # Row 0: distribution of token 1; row 1 (given token 1 == draft d1): distribution of token 2.
+    p0 = torch.softmax(torch.randn(vocab, generator=g), -1)
+    p1 = torch.softmax(torch.randn(vocab, generator=g), -1)
+    p2 = torch.softmax(torch.randn(vocab, generator=g), -1)
+    drafts = [2, 4]
+    block_ids = torch.tensor([[0] + drafts]).expand(n, -1)
+    probs = torch.stack([p0, p1, p2])[None].expand(n, -1, -1)
+    r = sampling_verify(block_ids, probs, generator=torch.Generator().manual_seed(1))
+    toks = committed_tokens(block_ids[:1].expand(n, -1), r)
+    first = torch.tensor([t[0] for t in toks])
+    assert chi_square_pvalue(torch.bincount(first, minlength=vocab), p0) > 1e-3
+    # Given the first committed token equals d1, the second follows row 1 exactly.
+    second = torch.tensor([t[1] for t in toks if t[0] == drafts[0]])
+    assert chi_square_pvalue(torch.bincount(second, minlength=vocab), p1) > 1e-3
+    assert set(r.accept_lens.tolist()) == {0, 1, 2}
