@@ -212,7 +212,7 @@ class ServerArgs:
     @classmethod
     def from_cli(cls, argv: Optional[Sequence[str]] = None, prog: str = "sglite serve") -> "ServerArgs":
         """Parse and validate; a bad flag exits 2 with one line naming it."""
-        parser = argparse.ArgumentParser(prog=prog, description="Launch the sglite server.")
+        parser = _OneLineErrorParser(prog=prog, description="Launch the sglite server.")
         cls.add_cli_args(parser)
         args = parser.parse_args(argv)
         try:
@@ -220,6 +220,13 @@ class ServerArgs:
         except ServerArgsError as e:
             parser.error(str(e))
             raise  # unreachable: parser.error exits
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse without the usage dump on errors: one line naming the flag, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _require(ok: bool, message: str) -> None:
