@@ -1,0 +1,313 @@
+"""DFLASH block-diffusion draft (public `DFlashDraftModel` checkpoints): Qwen3-style layers over the target's features.
+
+The draft has no embedding and no LM head: the block ``[bonus, MASK x (B-1)]`` is embedded with the
+target's embedding, and block rows are projected with the target's LM head (attached with
+``attach_target_head``). Target features (outputs of ``target_layer_ids``, concatenated) are fused by
+``fc`` + ``hidden_norm`` into one context vector per committed token; every layer projects that
+vector with its own k/v projection (k_norm, then RoPE at the token's position) into the draft KV pool
+(``write_context_kv``). The block then attends non-causally over context KV ++ block KV
+(ForwardMode.DRAFT_BLOCK).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglite.srt.configs.model_config import AttentionKind, ModelConfig
+from sglite.srt.layers.activation import SiluAndMul
+from sglite.srt.layers.attention.radix_attention import RadixAttention
+from sglite.srt.layers.layernorm import RMSNorm
+from sglite.srt.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglite.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglite.srt.layers.rotary_embedding import get_rope
+from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglite.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class DraftWeightError(ValueError):
+    """A draft checkpoint tensor this model has no place for (or a required one missing)."""
+
+
+class DFlashAttention(nn.Module):
+    """Self-attention of one draft layer; also projects context features into this layer's K/V."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+            params_dtype=params_dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
+            params_dtype=params_dtype,
+        )
+        self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, params_dtype=params_dtype)
+        self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, params_dtype=params_dtype)
+        self.rotary_emb = get_rope(
+            config.head_dim, config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.attn = RadixAttention(
+            self.num_heads,
+            config.head_dim,
+            config.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_id,
+        )
+
+    def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.reshape(-1, x.shape[-1] // self.head_dim, self.head_dim)).reshape(x.shape)
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K [n, Hkv, D] (k_norm, RoPE) and V [n, Hkv, D] of fused context vectors (no query is computed)."""
+        q_size = self.qkv_proj.q_size
+        w = self.qkv_proj.weight[q_size:]
+        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[q_size:]
+        k, v = F.linear(context, w, b).split([self.qkv_proj.kv_size, self.qkv_proj.v_size], dim=-1)
+        k = self._norm_heads(self.k_norm, k)
+        _, k = self.rotary_emb(positions, k, k)
+        n = context.shape[0]
+        return k.reshape(n, self.num_kv_heads, self.head_dim), v.reshape(n, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Block queries over context KV ++ block KV (the block's own K/V are written at out_cache_loc)."""
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+        q = self._norm_heads(self.q_norm, q)
+        k = self._norm_heads(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class DFlashMLP(nn.Module):
+    """SiLU-gated MLP."""
+
+    def __init__(self, config: ModelConfig, params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"DFLASH draft: hidden_act {config.hidden_act!r} is not supported (only silu)")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=False, params_dtype=params_dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, params_dtype=params_dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_id, params_dtype)
+        self.mlp = DFlashMLP(config, params_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, params_dtype=params_dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, params_dtype=params_dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """h + attn(norm(h)), then + mlp(norm(.))."""
+        h = hidden + self.self_attn(positions, self.input_layernorm(hidden), forward_batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    """The DFLASH draft; uses the target's embedding and LM head (see ``attach_target_head``)."""
+
+    def __init__(self, config: ModelConfig, params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        if config.draft is None:
+            raise ValueError(
+                f"{config.path or 'draft'}: config.json has no DFLASH settings (architectures "
+                f"{config.architectures}); expected DFlashDraftModel with dflash_config"
+            )
+        if any(k != AttentionKind.FULL for k in config.layer_kinds) or config.hf_config.get("is_causal"):
+            raise ValueError(
+                "DFLASH draft: only full non-causal attention layers are supported "
+                f"(layer kinds {[k.value for k in config.layer_kinds]}, is_causal={config.hf_config.get('is_causal')})"
+            )
+        self.config = config
+        self.draft_spec = config.draft
+        self.block_size = config.draft.block_size
+        self.mask_token_id = config.draft.mask_token_id
+        self.target_layer_ids = list(config.draft.target_layer_ids)
+        hidden = config.hidden_size
+        self.layers = nn.ModuleList(
+            [DFlashDecoderLayer(config, i, params_dtype) for i in range(config.num_hidden_layers)]
+        )
+        self.fc = ReplicatedLinear(len(self.target_layer_ids) * hidden, hidden, bias=False, params_dtype=params_dtype)
+        self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps, params_dtype=params_dtype)
+        self.norm = RMSNorm(hidden, eps=config.rms_norm_eps, params_dtype=params_dtype)
+        self.input_embedding_scale = float(_draft_extra(config, "input_embedding_scale", 1.0))
+        self.output_multiplier = float(_draft_extra(config, "output_multiplier", 1.0))
+        softcap = _draft_extra(config, "final_logit_softcapping", None)
+        self.final_logit_softcapping = float(softcap) if softcap else None
+        # The target's modules, attached by the worker; kept out of this module's parameters.
+        self._target: Optional[tuple[VocabParallelEmbedding, ParallelLMHead, LogitsProcessor]] = None
+
+    # ------------------------------------------------------------------ target head
+    def attach_target_head(
+        self, embed_tokens: VocabParallelEmbedding, lm_head: ParallelLMHead, logits_processor: LogitsProcessor
+    ) -> None:
+        """Use the target's embedding and LM head (the draft has none of its own)."""
+        if embed_tokens.embedding_dim != self.config.hidden_size:
+            raise ValueError(
+                f"draft hidden_size {self.config.hidden_size} != target hidden_size {embed_tokens.embedding_dim}"
+            )
+        if self.mask_token_id is None or not 0 <= self.mask_token_id < embed_tokens.num_embeddings:
+            raise ValueError(
+                f"draft mask_token_id {self.mask_token_id} must be set and below the target vocab "
+                f"{embed_tokens.num_embeddings} (set dflash_config.mask_token_id in the draft config.json)"
+            )
+        self._target = (embed_tokens, lm_head, logits_processor)
+
+    def _target_modules(self) -> tuple[VocabParallelEmbedding, ParallelLMHead, LogitsProcessor]:
+        if self._target is None:
+            raise RuntimeError("DFLASH draft used before attach_target_head(target embed, lm_head, logits_processor)")
+        return self._target
+
+    def get_embed_tokens(self) -> VocabParallelEmbedding:
+        """The (target's) embedding the block is embedded with."""
+        return self._target_modules()[0]
+
+    def get_lm_head(self) -> ParallelLMHead:
+        """The (target's) LM head draft rows are projected with."""
+        return self._target_modules()[1]
+
+    def embed_block(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Target embedding of block tokens, times the checkpoint's input_embedding_scale."""
+        emb = self._target_modules()[0](input_ids)
+        return emb * self.input_embedding_scale if self.input_embedding_scale != 1.0 else emb
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 full-vocab logits of draft rows through the target LM head (gathered under TP)."""
+        _, lm_head, proc = self._target_modules()
+        logits = proc.compute_logits(hidden, lm_head)
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
+
+    # ------------------------------------------------------------------ context KV
+    def fuse_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """hidden_norm(fc(concatenated target features)): one context vector per token."""
+        expected = len(self.target_layer_ids) * self.config.hidden_size
+        if aux_hidden.shape[-1] != expected:
+            raise ValueError(
+                f"target features have width {aux_hidden.shape[-1]}, the draft's fc expects {expected} "
+                f"({len(self.target_layer_ids)} layers x {self.config.hidden_size})"
+            )
+        return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
+
+    @torch.no_grad()
+    def write_context_kv(
+        self, aux_hidden: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, token_to_kv_pool
+    ) -> None:
+        """Write every draft layer's context K/V of these tokens into the draft pool at the target's slots."""
+        if aux_hidden.shape[0] != positions.shape[0] or positions.shape[0] != out_cache_loc.shape[0]:
+            raise ValueError(
+                f"write_context_kv: {aux_hidden.shape[0]} feature rows, {positions.shape[0]} positions, "
+                f"{out_cache_loc.shape[0]} slots"
+            )
+        if aux_hidden.shape[0] == 0:
+            return
+        context = self.fuse_context(aux_hidden)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(context, positions)
+            token_to_kv_pool.set_kv_buffer(i, out_cache_loc, k, v)
+
+    # ------------------------------------------------------------------ block forward
+    def block_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, H] of the block tokens (DRAFT_BLOCK over context KV)."""
+        if not forward_batch.forward_mode.is_draft_block():
+            raise ValueError(f"the DFLASH draft runs blocks in DRAFT_BLOCK mode, got {forward_batch.forward_mode.name}")
+        h = forward_batch.input_embeds if forward_batch.input_embeds is not None else self.embed_block(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h, forward_batch)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """Block forward; logits for every block row through the target LM head."""
+        hidden = self.block_hidden(input_ids, positions, forward_batch)
+        return LogitsProcessorOutput(next_token_logits=self.compute_logits(hidden), hidden_states=hidden)
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load public DFLASH names (layers.*, fc, hidden_norm, norm); an unknown or missing name is an error."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, shard = self._map_name(name)
+            if target is None or target not in params:
+                raise DraftWeightError(f"draft checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[target]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                raise DraftWeightError(f"parameter {target!r} has no weight_loader")
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(f"{target}:{shard}" if shard is not None else target)
+        self._check_complete(loaded)
+        return loaded
+
+    _STACKED = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def _map_name(self, name: str) -> tuple[Optional[str], Optional[object]]:
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        m = re.match(r"^(layers\.\d+\.(?:self_attn|mlp)\.)(\w+)\.(weight|bias)$", name)
+        if m and m.group(2) in self._STACKED:
+            fused, shard = self._STACKED[m.group(2)]
+            return f"{m.group(1)}{fused}.{m.group(3)}", shard
+        return name, None
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        expected: set[str] = set()
+        for name, _ in self.named_parameters():
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                expected |= {f"{name}:{s}" for s in ("q", "k", "v")}
+            elif name.endswith("gate_up_proj.weight"):
+                expected |= {f"{name}:{s}" for s in (0, 1)}
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise DraftWeightError(f"draft checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+
+def _draft_extra(config: ModelConfig, key: str, default):
+    nested = config.hf_config.get("dflash_config") or {}
+    return nested.get(key, config.hf_config.get(key, default))
+
+
+EntryClass = DFlashDraftModel
