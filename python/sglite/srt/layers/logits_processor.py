@@ -1,0 +1,72 @@
+"""LM-head projection: pick the rows that need logits, project, gather the vocabulary shards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglite.srt.distributed.parallel_state import GroupCoordinator
+from sglite.srt.layers.utils import resolve_tp_group
+from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead
+from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+
+@dataclass
+class LogitsProcessorOutput:
+    """Logits and the hidden states behind them.
+
+    ``next_token_logits``: fp32 ``[rows, vocab_size]``; one row per request (its last new token) for
+    EXTEND/DECODE, one row per token for TARGET_VERIFY/DRAFT_BLOCK.
+    ``hidden_states``: the final (normed) hidden states of the same rows.
+    ``aux_hidden_states``: ``[T, k*hidden]`` for every new token, the outputs of the captured layers
+    concatenated in the requested order (None when nothing was captured).
+    """
+
+    next_token_logits: torch.Tensor
+    hidden_states: Optional[torch.Tensor] = None
+    aux_hidden_states: Optional[torch.Tensor] = None
+
+
+def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
+    """Index of each request's last new token in the flattened [T] token axis."""
+    return torch.cumsum(forward_batch.extend_seq_lens, dim=0) - 1
+
+
+class LogitsProcessor(nn.Module):
+    """Computes next-token logits from final hidden states with a vocab-parallel LM head."""
+
+    def __init__(self, vocab_size: int, tp_group: Optional[GroupCoordinator] = None) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp_group = resolve_tp_group(tp_group)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        lm_head: ParallelLMHead,
+        forward_batch: ForwardBatch,
+        aux_hidden_states: Optional[torch.Tensor] = None,
+    ) -> LogitsProcessorOutput:
+        """Select rows per the forward mode, project with ``lm_head``, gather shards, trim padding."""
+        mode = forward_batch.forward_mode
+        if mode.returns_all_token_logits() or mode.is_decode() or mode.is_idle():
+            pruned = hidden_states
+        elif mode.is_extend():
+            pruned = hidden_states[last_token_indices(forward_batch)]
+        else:
+            raise ValueError(f"LogitsProcessor: unhandled forward mode {mode!r}")
+        logits = self.compute_logits(pruned, lm_head)
+        return LogitsProcessorOutput(
+            next_token_logits=logits, hidden_states=pruned, aux_hidden_states=aux_hidden_states
+        )
+
+    def compute_logits(self, hidden_states: torch.Tensor, lm_head: ParallelLMHead) -> torch.Tensor:
+        """fp32 logits ``[rows, vocab_size]`` for arbitrary hidden-state rows (DFLASH drafts use this)."""
+        logits = F.linear(hidden_states.to(lm_head.weight.dtype), lm_head.weight, lm_head.bias)
+        if self.tp_group.world_size > 1:
+            logits = self.tp_group.all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size].float()

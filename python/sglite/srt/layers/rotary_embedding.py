@@ -1,0 +1,124 @@
+"""Rotary position embedding (neox / rotate-half layout): default and Llama-3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first ``rotary_dim`` features of every q/k head by position-dependent angles."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float) -> None:
+        super().__init__()
+        if rotary_dim % 2 != 0 or rotary_dim > head_size:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_size {head_size}")
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.base = base
+        # Not a checkpoint tensor: derived from the config, so it is a non-persistent buffer.
+        self.register_buffer("inv_freq", self._compute_inv_freq(), persistent=False)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / self.rotary_dim
+        return 1.0 / (self.base**exponents)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [T, rotary_dim] (fp32) for the given positions."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; rotate-half form of the complex rotation on the first rotary_dim features.
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        cos = cos[:, None, :].to(x.dtype)
+        sin = sin[:, None, :].to(x.dtype)
+        half = self.rotary_dim // 2
+        rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + rotated_half * sin
+        return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H*D] and k [T, Hkv*D] (or [T, H, D]); returns tensors of the input shapes."""
+        cos, sin = self.cos_sin(positions)
+        t = positions.shape[0]
+        q = self._rotate(query.reshape(t, -1, self.head_size), cos, sin).reshape(query.shape)
+        k = self._rotate(key.reshape(t, -1, self.head_size), cos, sin).reshape(key.shape)
+        return q, k
+
+
+class Llama3RotaryEmbedding(RotaryEmbedding):
+    """Llama-3.1 scaling: long wavelengths slowed by ``factor``, short kept, a smooth ramp between."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        factor: float,
+        low_freq_factor: float,
+        high_freq_factor: float,
+        original_max_position_embeddings: int,
+    ) -> None:
+        self.factor = factor
+        self.low_freq_factor = low_freq_factor
+        self.high_freq_factor = high_freq_factor
+        self.original_max_position_embeddings = original_max_position_embeddings
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        inv_freq = super()._compute_inv_freq()
+        old_len = self.original_max_position_embeddings
+        low_freq_wavelen = old_len / self.low_freq_factor
+        high_freq_wavelen = old_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+
+
+def get_rope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: Optional[dict[str, Any]] = None,
+) -> RotaryEmbedding:
+    """The rotary embedding a config asks for; an unsupported ``rope_type`` is a clear error."""
+    if rope_scaling is None:
+        return RotaryEmbedding(head_size, rotary_dim, max_position, base)
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return RotaryEmbedding(head_size, rotary_dim, max_position, base)
+    if rope_type == "llama3":
+        missing = [
+            k
+            for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            if k not in rope_scaling
+        ]
+        if missing:
+            raise ValueError(f"llama3 rope scaling in config.json is missing {missing}")
+        return Llama3RotaryEmbedding(
+            head_size,
+            rotary_dim,
+            max_position,
+            base,
+            float(rope_scaling["factor"]),
+            float(rope_scaling["low_freq_factor"]),
+            float(rope_scaling["high_freq_factor"]),
+            int(rope_scaling["original_max_position_embeddings"]),
+        )
+    raise ValueError(
+        f"rope_type {rope_type!r} is not supported (supported: default, llama3); "
+        "use a checkpoint without that rope scaling"
+    )

@@ -1,0 +1,165 @@
+"""ForwardMode and ForwardBatch: what one model forward computes, and where its K/V go.
+
+Invariant (docs/internals.md): before a forward the caller has written ``out_cache_loc`` into
+``req_to_token[row, prefix_len:seq_len]``, so a request's keys are always ``req_to_token[row, :seq_len]``.
+``build_forward_batch`` does exactly that for a list of (req_row, prefix_len, new_token_ids).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+class ForwardMode(enum.IntEnum):
+    """What kind of forward runs; it fixes the attention mask and which rows get logits."""
+
+    EXTEND = 1  # prefill new tokens on top of a cached prefix (causal)
+    DECODE = 2  # one new token per request (causal)
+    TARGET_VERIFY = 3  # B draft tokens per request, causal inside the block; logits for every token
+    DRAFT_BLOCK = 4  # B tokens per request, non-causal inside the block, over context KV
+    IDLE = 5  # no tokens on this rank (DP attention keeps collectives in step)
+
+    def is_extend(self) -> bool:
+        """Prefill on top of a prefix."""
+        return self == ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        """One token per request."""
+        return self == ForwardMode.DECODE
+
+    def is_target_verify(self) -> bool:
+        """Causal verification of a draft block."""
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_draft_block(self) -> bool:
+        """Non-causal draft block."""
+        return self == ForwardMode.DRAFT_BLOCK
+
+    def is_idle(self) -> bool:
+        """No tokens."""
+        return self == ForwardMode.IDLE
+
+    def is_causal(self) -> bool:
+        """Whether a new query sees only keys up to its own position."""
+        return self != ForwardMode.DRAFT_BLOCK
+
+    def returns_all_token_logits(self) -> bool:
+        """VERIFY / DRAFT_BLOCK produce one logits row per token; EXTEND / DECODE one per request."""
+        return self in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_BLOCK)
+
+
+@dataclass
+class ForwardBatch:
+    """One forward's inputs and KV addressing (fields per docs/internals.md)."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    req_pool_indices: torch.Tensor  # [bs]
+    seq_lens: torch.Tensor  # [bs], KV length after this forward
+    extend_prefix_lens: torch.Tensor  # [bs], KV length before
+    extend_seq_lens: torch.Tensor  # [bs], new tokens per request
+    out_cache_loc: torch.Tensor  # [T], slots the new tokens' K/V are written to
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    req_to_token_pool: Any = None  # ReqToTokenPool
+    token_to_kv_pool: Any = None  # MHATokenToKVPool (or another token->KV pool)
+    attn_backend: Any = None  # AttentionBackend
+    capture_aux_hidden_layers: Optional[list[int]] = None
+    input_embeds: Optional[torch.Tensor] = None  # [T, hidden]; replaces the embedding lookup
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of new tokens in this forward."""
+        return int(self.input_ids.shape[0]) if self.input_embeds is None else int(self.input_embeds.shape[0])
+
+
+@dataclass(frozen=True)
+class ReqForward:
+    """One request's part of a forward: its req_to_token row, cached prefix length and new tokens."""
+
+    req_row: int
+    prefix_len: int
+    new_token_ids: Sequence[int]
+
+
+def build_forward_batch(
+    mode: ForwardMode,
+    reqs: Sequence[Any],
+    *,
+    req_to_token_pool: Any,
+    token_to_kv_pool: Any,
+    allocator: Any = None,
+    attn_backend: Any = None,
+    out_cache_loc: Optional[torch.Tensor] = None,
+    capture_aux_hidden_layers: Optional[list[int]] = None,
+    input_embeds: Optional[torch.Tensor] = None,
+    device: Optional[torch.device] = None,
+) -> ForwardBatch:
+    """Build a ForwardBatch for (req_row, prefix_len, new_token_ids) triples (or ReqForward objects).
+
+    Slots for the new tokens come from ``out_cache_loc`` when given, else from ``allocator.alloc_extend``
+    (an exhausted allocator is an error). The slots are written into ``req_to_token`` before returning,
+    so the prefix part of each row must already hold the request's cached slots.
+    """
+    items = [r if isinstance(r, ReqForward) else ReqForward(int(r[0]), int(r[1]), list(r[2])) for r in reqs]
+    if not items:
+        raise ValueError("build_forward_batch needs at least one request (use ForwardMode.IDLE paths elsewhere)")
+    dev = torch.device(device) if device is not None else req_to_token_pool.req_to_token.device
+    prefix = [it.prefix_len for it in items]
+    extend = [len(it.new_token_ids) for it in items]
+    seq = [p + n for p, n in zip(prefix, extend)]
+    if mode == ForwardMode.DECODE and any(n != 1 for n in extend):
+        raise ValueError(f"DECODE takes exactly one new token per request, got {extend}")
+    if any(n < 1 for n in extend):
+        raise ValueError(f"every request needs at least one new token, got {extend}")
+    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_BLOCK) and len(set(extend)) != 1:
+        raise ValueError(f"{mode.name} needs the same block size for every request, got {extend}")
+    max_ctx = req_to_token_pool.req_to_token.shape[1]
+    if max(seq) > max_ctx:
+        raise ValueError(f"a request reaches {max(seq)} tokens but req_to_token holds {max_ctx} per row")
+    table = req_to_token_pool.req_to_token
+    total = sum(extend)
+    if out_cache_loc is None:
+        if allocator is None:
+            raise ValueError("build_forward_batch needs an allocator or an explicit out_cache_loc")
+        last_locs = [int(table[it.req_row, it.prefix_len - 1]) if it.prefix_len > 0 else 0 for it in items]
+        out_cache_loc = allocator.alloc_extend(prefix, seq, last_locs)
+        if out_cache_loc is None:
+            raise RuntimeError(
+                f"KV pool exhausted: {total} new tokens requested, {allocator.available_size()} slots free"
+            )
+    if out_cache_loc.numel() != total:
+        raise ValueError(f"out_cache_loc has {out_cache_loc.numel()} slots for {total} new tokens")
+    out_cache_loc = out_cache_loc.to(dev, torch.int64)
+    offset = 0
+    for it, p, n in zip(items, prefix, extend):
+        table[it.req_row, p : p + n] = out_cache_loc[offset : offset + n].to(table.dtype)
+        offset += n
+    input_ids = torch.tensor([t for it in items for t in it.new_token_ids], dtype=torch.int64, device=dev)
+    positions = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(prefix, extend)]).to(dev)
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(items),
+        input_ids=input_ids,
+        positions=positions,
+        req_pool_indices=torch.tensor([it.req_row for it in items], dtype=torch.int64, device=dev),
+        seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev),
+        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=dev),
+        extend_seq_lens=torch.tensor(extend, dtype=torch.int64, device=dev),
+        out_cache_loc=out_cache_loc,
+        seq_lens_cpu=seq,
+        extend_prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=extend,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool=token_to_kv_pool,
+        attn_backend=attn_backend,
+        capture_aux_hidden_layers=capture_aux_hidden_layers,
+        input_embeds=input_embeds,
+    )

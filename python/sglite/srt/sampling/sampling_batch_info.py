@@ -1,0 +1,95 @@
+"""SamplingBatchInfo: the per-row sampling parameters of one batch, as tensors the sampler reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from sglite.srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Row i holds request i's temperature, top-p, top-k, min-p and (optional) seed.
+
+    ``seed_offsets[i]`` is mixed into row i's seed (callers pass the request's number of generated
+    tokens) so a seeded request draws fresh noise at every step yet reproduces exactly on a rerun,
+    whatever else shares its batch.
+    """
+
+    temperatures: torch.Tensor  # [bs, 1] fp32; 1.0 for greedy rows (never divided by 0)
+    top_ps: torch.Tensor  # [bs] fp32
+    top_ks: torch.Tensor  # [bs] int64, vocab_size when disabled
+    min_ps: torch.Tensor  # [bs] fp32
+    is_greedy: torch.Tensor  # [bs] bool
+    seeds: list[Optional[int]]
+    seed_offsets: list[int]
+    vocab_size: int
+    all_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return len(self.seeds)
+
+    @classmethod
+    def from_sampling_params(
+        cls,
+        params: Sequence[SamplingParams],
+        vocab_size: int,
+        device: Union[str, torch.device] = "cpu",
+        seed_offsets: Optional[Sequence[int]] = None,
+    ) -> "SamplingBatchInfo":
+        """Build from one SamplingParams per row; seeded rows need ``seed_offsets``."""
+        if not params:
+            raise ValueError("SamplingBatchInfo needs at least one row")
+        seeds = [p.seed for p in params]
+        if any(s is not None for s in seeds) and seed_offsets is None:
+            raise ValueError(
+                "seeded sampling needs seed_offsets (e.g. each request's generated-token count) so that "
+                "every step draws different noise"
+            )
+        offsets = [0] * len(params) if seed_offsets is None else [int(o) for o in seed_offsets]
+        if len(offsets) != len(params):
+            raise ValueError(f"seed_offsets has {len(offsets)} entries for {len(params)} rows")
+        greedy = [p.is_greedy for p in params]
+        top_ks = [min(p.normalized_top_k(), vocab_size) for p in params]
+        return cls(
+            temperatures=torch.tensor(
+                [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)], dtype=torch.float32, device=device
+            ).unsqueeze(1),
+            top_ps=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor([float(p.min_p) for p in params], dtype=torch.float32, device=device),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            seeds=seeds,
+            seed_offsets=offsets,
+            vocab_size=vocab_size,
+            all_greedy=all(greedy),
+            need_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy) if not g),
+            need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
+            need_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy) if not g),
+        )
+
+    def repeat_interleave(self, repeats: int) -> "SamplingBatchInfo":
+        """Each row repeated ``repeats`` times (one row per token of a verify block); offsets count up."""
+        idx = torch.arange(self.batch_size, device=self.top_ps.device).repeat_interleave(repeats)
+        return SamplingBatchInfo(
+            temperatures=self.temperatures[idx],
+            top_ps=self.top_ps[idx],
+            top_ks=self.top_ks[idx],
+            min_ps=self.min_ps[idx],
+            is_greedy=self.is_greedy[idx],
+            seeds=[s for s in self.seeds for _ in range(repeats)],
+            seed_offsets=[o + j for o in self.seed_offsets for j in range(repeats)],
+            vocab_size=self.vocab_size,
+            all_greedy=self.all_greedy,
+            need_top_p=self.need_top_p,
+            need_top_k=self.need_top_k,
+            need_min_p=self.need_min_p,
+        )
