@@ -11,7 +11,6 @@ vector with its own k/v projection (k_norm, then RoPE at the token's position) i
 
 from __future__ import annotations
 
-import re
 from typing import Iterable, Optional
 
 import torch
@@ -32,10 +31,12 @@ from sglite.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorO
 from sglite.srt.layers.rotary_embedding import get_rope
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch
-
-
-class DraftWeightError(ValueError):
-    """A draft checkpoint tensor this model has no place for (or a required one missing)."""
+from sglite.srt.model_loader.weight_utils import (
+    WeightLoadingError,
+    describe_missing,
+    expected_loads,
+    load_named_weights,
+)
 
 
 class DFlashAttention(nn.Module):
@@ -254,55 +255,23 @@ class DFlashDraftModel(nn.Module):
         return LogitsProcessorOutput(next_token_logits=self.compute_logits(hidden), hidden_states=hidden)
 
     # ------------------------------------------------------------------ weights
+    # checkpoint name fragment -> (fused parameter fragment, shard id), as the target models do.
+    stacked_params_mapping = (
+        (".q_proj", ".qkv_proj", "q"),
+        (".k_proj", ".qkv_proj", "k"),
+        (".v_proj", ".qkv_proj", "v"),
+        (".gate_proj", ".gate_up_proj", 0),
+        (".up_proj", ".gate_up_proj", 1),
+    )
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load public DFLASH names (layers.*, fc, hidden_norm, norm); an unknown or missing name is an error."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, shard = self._map_name(name)
-            if target is None or target not in params:
-                raise DraftWeightError(f"draft checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[target]
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                raise DraftWeightError(f"parameter {target!r} has no weight_loader")
-            if shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
-            loaded.add(f"{target}:{shard}" if shard is not None else target)
-        self._check_complete(loaded)
-        return loaded
-
-    _STACKED = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-
-    def _map_name(self, name: str) -> tuple[Optional[str], Optional[object]]:
-        if name.startswith("model."):
-            name = name[len("model.") :]
-        m = re.match(r"^(layers\.\d+\.(?:self_attn|mlp)\.)(\w+)\.(weight|bias)$", name)
-        if m and m.group(2) in self._STACKED:
-            fused, shard = self._STACKED[m.group(2)]
-            return f"{m.group(1)}{fused}.{m.group(3)}", shard
-        return name, None
-
-    def _check_complete(self, loaded: set[str]) -> None:
-        expected: set[str] = set()
-        for name, _ in self.named_parameters():
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                expected |= {f"{name}:{s}" for s in ("q", "k", "v")}
-            elif name.endswith("gate_up_proj.weight"):
-                expected |= {f"{name}:{s}" for s in (0, 1)}
-            else:
-                expected.add(name)
-        missing = sorted(expected - loaded)
+        """Load public DFLASH names (layers.*, fc, hidden_norm, norm); an unknown or missing tensor is an error."""
+        loaded = load_named_weights(self, weights, self.stacked_params_mapping)
+        missing = expected_loads(self, self.stacked_params_mapping) - loaded
         if missing:
-            raise DraftWeightError(f"draft checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+            names = describe_missing(missing, self.stacked_params_mapping)
+            raise WeightLoadingError(f"draft checkpoint is missing {len(names)} tensor(s): {names[:8]}")
+        return loaded
 
 
 def _draft_extra(config: ModelConfig, key: str, default):

@@ -15,7 +15,8 @@ from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabPara
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglite.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglite.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
-from sglite.srt.models.dflash import DFlashDraftModel, DraftWeightError
+from sglite.srt.model_loader.weight_utils import WeightLoadingError
+from sglite.srt.models.dflash import DFlashDraftModel
 from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.testing.tiny_dflash import TinyDraftSpec, build_tiny_dflash_draft, build_tiny_target, load_reference_pair
 
@@ -116,11 +117,11 @@ def test_unknown_weight_is_an_error(pair, one_rank):
     model = DFlashDraftModel(ModelConfig.from_path(draft_dir), params_dtype=torch.float32)
     weights = dict(load_file(os.path.join(draft_dir, "model.safetensors")))
     weights["embed_tokens.weight"] = torch.zeros(512, 64)
-    with pytest.raises(DraftWeightError, match="embed_tokens"):
+    with pytest.raises(WeightLoadingError, match="embed_tokens"):
         model.load_weights(weights.items())
     weights.pop("embed_tokens.weight")
     weights.pop("fc.weight")
-    with pytest.raises(DraftWeightError, match="missing"):
+    with pytest.raises(WeightLoadingError, match="missing"):
         model.load_weights(weights.items())
 
 
