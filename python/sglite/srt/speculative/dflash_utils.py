@@ -9,9 +9,13 @@ and, after ``a`` accepted drafts, row ``a`` gives the bonus token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from sglite.srt.layers.sampler import Sampler
+    from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 
 @dataclass
@@ -32,39 +36,16 @@ def greedy_verify(block_ids: torch.Tensor, target_argmax: torch.Tensor) -> Block
     return BlockVerifyResult(accept_lens=accept_lens, bonus_ids=bonus_ids)
 
 
-def sampling_probs(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ps: Optional[torch.Tensor] = None,
-    top_ks: Optional[torch.Tensor] = None,
-    min_ps: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Target probabilities after temperature, top-k, top-p and min-p; logits [bs, n, V], params [bs]."""
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be [bs, n, V], got {tuple(logits.shape)}")
-    if bool((temperatures <= 0).any()):
-        raise ValueError("sampling_probs needs temperature > 0; greedy requests use greedy_verify")
-    scores = logits.float() / temperatures.float()[:, None, None]
-    vocab = scores.shape[-1]
-    if top_ks is not None:
-        # -1 (or any value <= 0) means no top-k, as in SamplingParams.
-        k = torch.where(top_ks <= 0, torch.full_like(top_ks, vocab), top_ks).clamp(max=vocab).to(torch.int64)
-        sorted_scores, _ = scores.sort(dim=-1, descending=True)
-        kth = sorted_scores.gather(-1, (k - 1)[:, None, None].expand(-1, scores.shape[1], 1))
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if top_ps is not None and bool((top_ps < 1.0).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
-        keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_ps.float()[:, None, None]
-        sorted_probs = sorted_probs * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    if min_ps is not None and bool((min_ps > 0).any()):
-        threshold = probs.amax(dim=-1, keepdim=True) * min_ps.float()[:, None, None]
-        probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+def verify_probs(logits: torch.Tensor, info: "SamplingBatchInfo", sampler: "Sampler") -> torch.Tensor:
+    """Target probabilities [rows, V] of verify rows, filtered exactly as the sampler filters (top-k/p, min-p).
+
+    ``info`` has one row per logits row (``SamplingBatchInfo.repeat_interleave(B)`` of the batch), so
+    speculative and plain sampling draw from the same distribution.
+    """
+    probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
+    sorted_probs, order = sampler.filtered_probs(probs, info)
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def sampling_verify(

@@ -5,9 +5,12 @@ import torch
 from sglite.srt.speculative.dflash_utils import (
     committed_tokens,
     greedy_verify,
-    sampling_probs,
     sampling_verify,
+    verify_probs,
 )
+from sglite.srt.layers.sampler import Sampler
+from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglite.srt.sampling.sampling_params import SamplingParams
 
 SUITE = "unit-cpu"
 EST_TIME = 10
@@ -46,14 +49,14 @@ def test_greedy_verify_later_match_after_mismatch_not_accepted():
     assert r.bonus_ids.tolist() == [0]
 
 
-def test_sampling_probs_filters():
-    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
-    p = sampling_probs(logits, torch.tensor([1.0]), top_ks=torch.tensor([2]))
-    assert torch.allclose(p[0, 0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
-    p = sampling_probs(logits, torch.tensor([1.0]), top_ps=torch.tensor([0.7]))
-    assert torch.allclose(p[0, 0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
-    p = sampling_probs(logits, torch.tensor([1.0]), top_ks=torch.tensor([-1]))
-    assert torch.allclose(p[0, 0], torch.tensor([0.5, 0.3, 0.15, 0.05]))
+def test_verify_probs_filter_like_the_sampler():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=1.0)]
+    info = SamplingBatchInfo.from_sampling_params(params, vocab_size=4)
+    p = verify_probs(logits, info, Sampler())
+    torch.testing.assert_close(p[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(p[1], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(p[2], torch.tensor([0.5, 0.3, 0.15, 0.05]))
 
 
 def test_sampling_verify_is_lossless():
