@@ -333,7 +333,8 @@ def _parse(raw: dict[str, Any], path: Optional[str]) -> ModelConfig:
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        # Absent means tied: transformers' PretrainedConfig default (Gemma 3 ships no key and ties).
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))),
         attention_bias=bool(text.get("attention_bias", False)),
         hidden_act=str(text.get("hidden_act", text.get("hidden_activation", "silu"))),
         kv_cache_quant_algo=str(kv_quant).upper() if kv_quant else None,
