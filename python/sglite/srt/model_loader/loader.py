@@ -1,0 +1,63 @@
+"""Build a model from its config and fill it from a safetensors checkpoint, sharded for this TP rank."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from sglite.srt.configs.model_config import ModelConfig
+from sglite.srt.model_loader.weight_utils import (
+    WeightLoadingError,
+    describe_missing,
+    expected_loads,
+    iterate_safetensors,
+)
+from sglite.srt.models.registry import get_model_class
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    model_config: ModelConfig,
+    model_path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    show_progress: bool = True,
+) -> nn.Module:
+    """Instantiate the class ``config.architectures`` names and load every parameter; errors name tensors."""
+    cls = get_model_class(model_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(model_config)
+    mapping = getattr(model, "stacked_params_mapping", ())
+    loaded = model.load_weights(iterate_safetensors(model_path, show_progress=show_progress))
+    missing = expected_loads(model, mapping) - loaded
+    if missing:
+        names = describe_missing(missing, mapping)
+        raise WeightLoadingError(
+            f"checkpoint {model_path!r} is missing {len(names)} tensor(s) the model needs: {names[:8]}"
+            f"{' ...' if len(names) > 8 else ''}"
+        )
+    return model.eval()
+
+
+def resolve_dtype(dtype_flag: str, model_config: ModelConfig) -> torch.dtype:
+    """--dtype to a torch dtype; 'auto' takes the checkpoint's dtype."""
+    name = model_config.dtype if dtype_flag == "auto" else dtype_flag
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"--dtype {dtype_flag!r} resolves to {name!r}, which is not one of {sorted(table)}")
+    return table[name]
+
+
+__all__ = ["load_model", "resolve_dtype", "WeightLoadingError"]

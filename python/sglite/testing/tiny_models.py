@@ -1,0 +1,86 @@
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints for tests, built with transformers (no downloads).
+
+``build_tiny_model`` saves an fp32 model with GQA (4 query / 2 KV heads), hidden 64, vocab 512 and a
+wide init (``initializer_range=0.3``) so that greedy decoding does not collapse into one token, plus
+(optionally) the tiny byte-level BPE tokenizer from ``tiny_tokenizer`` beside it so servers can use it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from sglite.testing.tiny_tokenizer import TINY_TOKENIZER_VOCAB, build_tiny_tokenizer
+
+TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+TINY_EOS_TOKEN_ID = 2  # <|im_end|> in the tiny tokenizer
+
+
+def tiny_config(arch: str, **overrides: Any):
+    """A transformers config of a tiny model of ``arch`` (llama | qwen2 | qwen3); overrides win."""
+    import transformers
+
+    base: dict[str, Any] = dict(
+        vocab_size=TINY_TOKENIZER_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        initializer_range=0.3,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=TINY_EOS_TOKEN_ID,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    if arch == "llama":
+        cls = transformers.LlamaConfig
+    elif arch == "qwen2":
+        cls = transformers.Qwen2Config
+    elif arch == "qwen3":
+        cls = transformers.Qwen3Config
+        base["head_dim"] = 16
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {TINY_ARCHITECTURES}")
+    base.update(overrides)
+    return cls(**base)
+
+
+def build_tiny_model(
+    path: str,
+    arch: str = "qwen3",
+    *,
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    max_shard_size: Optional[str] = None,
+    **config_overrides: Any,
+) -> str:
+    """Save a tiny random fp32 ``arch`` model (and optionally the tiny tokenizer) to ``path``; returns path.
+
+    ``max_shard_size`` (e.g. ``"100KB"``) writes a sharded checkpoint with ``model.safetensors.index.json``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    os.makedirs(path, exist_ok=True)
+    kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **kwargs)
+    if with_tokenizer:
+        build_tiny_tokenizer(path)
+    return path
+
+
+def load_hf_model(path: str):
+    """The saved checkpoint loaded back with transformers (fp32, eager attention): the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
