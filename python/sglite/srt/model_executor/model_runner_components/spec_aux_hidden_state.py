@@ -1,0 +1,217 @@
+"""Resolve what the target must capture for a draft and what the draft's KV costs per token per rank.
+
+``resolve_spec_aux_hidden_state`` runs in the target ``ModelRunner`` after ``init_parallel_runtime``:
+it prices the draft at ``get_parallel().attn_tp_size``, the live width the pool builders use. Reading
+it earlier raises ``ParallelNotInitializedError``, which propagates with a note saying where it was
+read: there is no fallback to ``tp_size`` (under DP attention that under-counts the draft's heads) and
+no fallback to zero. A draft that cannot be resolved raises ``DraftResolutionError`` naming what is
+missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelConfigError
+from sglite.srt.mem_cache.kv_cache_dtype import KVCacheDtypeError, configure_kv_cache_dtype, kv_dtype_bytes
+from sglite.srt.runtime_context import ParallelNotInitializedError, get_parallel
+
+DFLASH_FAMILY = ("DFLASH", "DSPARK")
+LAYER_RATIO_FAMILY = ("EAGLE", "STANDALONE")
+
+
+class DraftResolutionError(ValueError):
+    """The draft's capture layers, layer count, geometry or KV dtype cannot be resolved."""
+
+
+@dataclass(frozen=True)
+class SpecAuxHiddenStateConfig:
+    """What the target captures for its draft, and the draft's per-rank KV geometry and price."""
+
+    algorithm: Optional[str] = None
+    # DFLASH/DSPARK: target layers whose output hidden states feed the draft (DFlash convention).
+    target_layer_ids: tuple[int, ...] = ()
+    draft_num_layers: int = 0
+    # Exact draft KV bytes per token per rank (DFLASH/DSPARK only).
+    dflash_draft_cell_size_per_token: Optional[int] = None
+    # EAGLE/STANDALONE: draft layers, priced by the target's per-layer geometry (layer ratio).
+    eagle_draft_num_layers: Optional[int] = None
+    draft_kv_cache_dtype: Optional[torch.dtype] = None
+    draft_total_kv_heads: Optional[int] = None
+    draft_kv_heads_per_rank: Optional[int] = None
+    draft_head_dim: Optional[int] = None
+    draft_v_head_dim: Optional[int] = None
+    attn_tp_size: Optional[int] = None  # the width the draft was priced at
+    draft_model_config: Optional[ModelConfig] = field(default=None, repr=False, compare=False)
+
+    @property
+    def has_draft(self) -> bool:
+        """Whether a speculative draft (and so a draft KV pool) exists."""
+        return self.algorithm is not None
+
+    @property
+    def is_dflash_family(self) -> bool:
+        """DFLASH and DSPARK: exact draft term from the draft's own geometry."""
+        return self.algorithm in DFLASH_FAMILY
+
+
+def _fail(algorithm: str, where: str, what: str) -> DraftResolutionError:
+    return DraftResolutionError(f"cannot resolve the {algorithm} draft ({where}): {what}")
+
+
+def load_draft_model_config(server_args: Any) -> ModelConfig:
+    """Read the draft's config.json from ``--speculative-draft-model-path``."""
+    algo = server_args.speculative_algorithm
+    path = server_args.speculative_draft_model_path
+    if path is None:
+        raise DraftResolutionError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
+    try:
+        return ModelConfig.from_path(path)
+    except ModelConfigError as e:
+        raise _fail(algo, path, f"{e}; fix the draft's config.json") from e
+
+
+def _resolve_dflash_aux_hidden_state(
+    draft_model_config: ModelConfig, target_model_config: ModelConfig
+) -> tuple[list[int], int]:
+    """(target layer ids to capture, draft layer count) of a DFLASH/DSPARK draft, validated against the target."""
+    where = draft_model_config.path or "draft config"
+    spec = draft_model_config.draft
+    if spec is None:
+        raise DraftResolutionError(
+            f"{where} is not a DFLASH/DSPARK draft: config.json has no dflash_config, DFlash/DSpark "
+            "architecture or markov_rank; point --speculative-draft-model-path at a block-diffusion draft"
+        )
+    algo = spec.algorithm
+    num_layers = int(draft_model_config.num_hidden_layers)
+    if num_layers <= 0:
+        raise _fail(algo, where, f"num_hidden_layers is {num_layers}; a draft needs at least one layer")
+    bad = [k.value for k in draft_model_config.layer_kinds if k != AttentionKind.FULL]
+    if bad:
+        raise _fail(algo, where, f"draft layers must be full attention, found {sorted(set(bad))}")
+    n_target = target_model_config.num_hidden_layers
+    if spec.num_target_layers is not None and spec.num_target_layers != n_target:
+        raise _fail(
+            algo, where,
+            f"num_target_layers is {spec.num_target_layers} but the target has {n_target} layers; "
+            "this draft was trained for another target",
+        )
+    ids = list(spec.target_layer_ids)
+    if not ids:
+        raise _fail(algo, where, "target_layer_ids is empty")
+    out_of_range = [i for i in ids if not 0 <= i < n_target]
+    if out_of_range:
+        raise _fail(algo, where, f"target_layer_ids {out_of_range} are outside the target's {n_target} layers")
+    return ids, num_layers
+
+
+def _resolve_dflash_draft_cell_size(
+    draft_model_config: Any, draft_num_layers: int, draft_kv_cache_dtype: torch.dtype, attn_tp_size: int
+) -> int:
+    """Exact draft KV bytes per token per rank: heads(attn_tp) * (head_dim + v_head_dim) * layers * dtype bytes."""
+    if draft_num_layers <= 0:
+        raise DraftResolutionError(f"draft layer count {draft_num_layers} must be > 0 to price its KV pool")
+    heads = int(draft_model_config.get_num_kv_heads(attn_tp_size))
+    cell = heads * (draft_model_config.head_dim + draft_model_config.v_head_dim) * draft_num_layers
+    return cell * kv_dtype_bytes(draft_kv_cache_dtype)
+
+
+def _live_attn_tp_size() -> int:
+    try:
+        return int(get_parallel().attn_tp_size)
+    except ParallelNotInitializedError as e:
+        raise ParallelNotInitializedError(
+            f"{e} -- resolve_spec_aux_hidden_state prices the draft KV at the live attention-TP width, "
+            "so it must run after init_parallel_runtime()"
+        ) from e
+
+
+def _resolve_draft_dtype(server_args: Any, draft_model_config: ModelConfig, model_dtype: Optional[torch.dtype]) -> torch.dtype:
+    try:
+        return configure_kv_cache_dtype(
+            server_args.kv_cache_dtype,
+            draft_model_config,
+            is_draft=True,
+            draft_override=server_args.speculative_draft_kv_cache_dtype,
+            model_dtype=model_dtype,
+        )
+    except KVCacheDtypeError as e:
+        raise _fail(server_args.speculative_algorithm, draft_model_config.path or "draft config", str(e)) from e
+
+
+def eagle_draft_num_layers(draft_model_config: ModelConfig) -> int:
+    """Draft layers of an EAGLE/STANDALONE draft: num_nextn_predict_layers if set, else num_hidden_layers."""
+    nextn = draft_model_config.hf_config.get("num_nextn_predict_layers")
+    return int(nextn) if nextn else int(draft_model_config.num_hidden_layers)
+
+
+def _check_shares_target_geometry(draft: ModelConfig, target: ModelConfig, algo: str) -> None:
+    # The layer-ratio price is exact only when a draft layer costs what a target attention layer costs.
+    fields = ("num_key_value_heads", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim")
+    diff = {f: (getattr(draft, f), getattr(target, f)) for f in fields if getattr(draft, f) != getattr(target, f)}
+    target_attn = AttentionKind.MLA if target.kv_lora_rank is not None else AttentionKind.FULL
+    if any(k != target_attn for k in draft.layer_kinds):
+        diff["layer kinds"] = (sorted({k.value for k in draft.layer_kinds}), target_attn.value)
+    if diff:
+        raise _fail(
+            algo, draft.path or "draft config",
+            f"an {algo} draft is priced by the target's per-layer KV geometry (layer ratio), but it differs "
+            f"(draft, target): {diff}; use a draft that shares the target's attention geometry",
+        )
+
+
+def resolve_spec_aux_hidden_state(
+    server_args: Any,
+    target_model_config: ModelConfig,
+    *,
+    draft_model_config: Optional[ModelConfig] = None,
+    model_dtype: Optional[torch.dtype] = None,
+) -> SpecAuxHiddenStateConfig:
+    """Resolve capture layers and the draft's per-rank KV price; empty config when speculation is off.
+
+    ``draft_model_config`` defaults to the config.json at ``--speculative-draft-model-path``;
+    ``model_dtype`` is the runtime dtype (it resolves a KV dtype of ``auto``).
+    """
+    algo = server_args.speculative_algorithm
+    if algo is None:
+        return SpecAuxHiddenStateConfig()
+    if algo not in DFLASH_FAMILY + LAYER_RATIO_FAMILY:
+        raise DraftResolutionError(f"--speculative-algorithm {algo!r} is unknown")
+    draft = draft_model_config if draft_model_config is not None else load_draft_model_config(server_args)
+    attn_tp_size = _live_attn_tp_size()
+    dtype = _resolve_draft_dtype(server_args, draft, model_dtype)
+    if algo in DFLASH_FAMILY:
+        ids, n_layers = _resolve_dflash_aux_hidden_state(draft, target_model_config)
+        cell = _resolve_dflash_draft_cell_size(draft, n_layers, dtype, attn_tp_size)
+        return SpecAuxHiddenStateConfig(
+            algorithm=algo,
+            target_layer_ids=tuple(ids),
+            draft_num_layers=n_layers,
+            dflash_draft_cell_size_per_token=cell,
+            draft_kv_cache_dtype=dtype,
+            draft_total_kv_heads=draft.num_key_value_heads,
+            draft_kv_heads_per_rank=draft.get_num_kv_heads(attn_tp_size),
+            draft_head_dim=draft.head_dim,
+            draft_v_head_dim=draft.v_head_dim,
+            attn_tp_size=attn_tp_size,
+            draft_model_config=draft,
+        )
+    _check_shares_target_geometry(draft, target_model_config, algo)
+    n_layers = eagle_draft_num_layers(draft)
+    if n_layers <= 0:
+        raise _fail(algo, draft.path or "draft config", "the draft has no layers")
+    return SpecAuxHiddenStateConfig(
+        algorithm=algo,
+        draft_num_layers=n_layers,
+        eagle_draft_num_layers=n_layers,
+        draft_kv_cache_dtype=dtype,
+        draft_total_kv_heads=draft.num_key_value_heads,
+        draft_kv_heads_per_rank=draft.get_num_kv_heads(attn_tp_size),
+        draft_head_dim=draft.head_dim,
+        draft_v_head_dim=draft.v_head_dim,
+        attn_tp_size=attn_tp_size,
+        draft_model_config=draft,
+    )
