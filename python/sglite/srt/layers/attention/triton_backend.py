@@ -1,0 +1,132 @@
+"""Triton attention backend: paged extend (EXTEND / TARGET_VERIFY causal, DRAFT_BLOCK non-causal) and
+split-K decode kernels from ``triton_ops``. On CPU it runs only under ``TRITON_INTERPRET=1`` (tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import triton
+
+from sglite.srt.layers.attention.base_attn_backend import AttentionBackend, cpu_list, mode_name
+from sglite.srt.layers.attention.triton_ops.common import INTERPRET
+from sglite.srt.layers.attention.triton_ops.decode_attention import (
+    alloc_decode_buffers,
+    decode_attention_fwd,
+    decode_block_h,
+)
+from sglite.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+
+if TYPE_CHECKING:
+    from sglite.srt.layers.attention.radix_attention import RadixAttention
+    from sglite.srt.model_executor.forward_batch_info import ForwardBatch
+
+MAX_KV_SPLITS = 16
+
+
+@dataclass
+class TritonForwardMetadata:
+    """Per-batch index tensors shared by every layer of one forward."""
+
+    mode: str
+    q_start: Optional[torch.Tensor] = None  # [bs] first new token of each request (extend family)
+    max_extend_len: int = 0
+
+
+def choose_num_kv_splits(batch_size: int, num_kv_heads: int, group: int, device: torch.device) -> int:
+    """Decode split count: enough programs to fill the GPU, a power of two (few kernel variants), ≤ 16.
+
+    It depends only on the batch size and head geometry, never on sequence lengths, so a captured
+    CUDA graph stays valid. The interpreter uses 2 (exercises the merge, keeps grids small).
+    """
+    if INTERPRET or device.type != "cuda":
+        return 2
+    programs_per_split = batch_size * num_kv_heads * triton.cdiv(group, decode_block_h(group))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(2 * sms, max(1, programs_per_split))
+    return min(MAX_KV_SPLITS, triton.next_power_of_2(want))
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Attention over the paged KV pool with the kernels in ``triton_ops``."""
+
+    def __init__(self, runner: Any = None, num_kv_splits: Optional[int] = None) -> None:
+        self.runner = runner
+        self.fixed_num_kv_splits = num_kv_splits
+        self.metadata: Optional[TritonForwardMetadata] = None
+        self._decode_scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Exclusive cumsum of new-token counts (q offsets) and the longest extend, once per batch."""
+        name = mode_name(forward_batch)
+        if name in ("IDLE", "DECODE"):
+            self.metadata = TritonForwardMetadata(mode=name)
+            return
+        extend_lens = forward_batch.extend_seq_lens
+        q_start = torch.zeros_like(extend_lens)
+        if extend_lens.numel() > 1:
+            q_start[1:] = torch.cumsum(extend_lens[:-1], dim=0)
+        max_extend = max(cpu_list(forward_batch.extend_seq_lens_cpu, extend_lens), default=0)
+        self.metadata = TritonForwardMetadata(mode=name, q_start=q_start, max_extend_len=max_extend)
+
+    def _metadata_for(self, forward_batch: "ForwardBatch") -> TritonForwardMetadata:
+        if self.metadata is None or self.metadata.mode != mode_name(forward_batch):
+            raise RuntimeError("TritonAttnBackend.forward called before init_forward_metadata(forward_batch)")
+        return self.metadata
+
+    def _num_kv_splits(self, batch_size: int, layer: "RadixAttention", device: torch.device) -> int:
+        if self.fixed_num_kv_splits is not None:
+            return self.fixed_num_kv_splits
+        return choose_num_kv_splits(batch_size, layer.num_kv_heads, layer.kv_group_size, device)
+
+    def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
+        """Split-K decode over ``req_to_token[row, :seq_len]``."""
+        self._metadata_for(forward_batch)
+        bs = forward_batch.batch_size
+        q3 = q.reshape(bs, layer.num_heads, layer.head_dim)
+        o = q.new_empty((bs, layer.num_heads, layer.v_head_dim))
+        splits = self._num_kv_splits(bs, layer, q.device)
+        key = (bs, layer.num_heads, layer.v_head_dim, splits)
+        if key not in self._decode_scratch:
+            self._decode_scratch[key] = alloc_decode_buffers(bs, layer.num_heads, layer.v_head_dim, splits, q.device)
+        mid_o, mid_lse = self._decode_scratch[key]
+        decode_attention_fwd(
+            q3,
+            o,
+            forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            forward_batch.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            layer.scaling,
+            splits,
+            layer.sliding_window,
+            mid_o,
+            mid_lse,
+        )
+        return o.reshape(bs, layer.num_heads * layer.v_head_dim)
+
+    def forward_extend(
+        self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch", causal: bool
+    ) -> torch.Tensor:
+        """Paged extend kernel; ``causal=False`` for DRAFT_BLOCK."""
+        meta = self._metadata_for(forward_batch)
+        q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
+        o = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
+        extend_attention_fwd(
+            q3,
+            o,
+            forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            forward_batch.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.extend_prefix_lens,
+            forward_batch.extend_seq_lens,
+            meta.q_start,
+            meta.max_extend_len,
+            layer.scaling,
+            causal,
+            layer.sliding_window,
+        )
+        return o.reshape(-1, layer.num_heads * layer.v_head_dim)

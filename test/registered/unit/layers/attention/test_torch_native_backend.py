@@ -1,0 +1,101 @@
+"""torch_native attention (the reference) against plain SDPA on unpaged K/V; registry and layer checks."""
+
+SUITE = "unit-cpu"
+EST_TIME = 5
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from attention_cases import build_case, dense_reference, run_backend
+from sglite.srt.layers.attention.radix_attention import RadixAttention
+from sglite.srt.layers.attention.registry import AttentionBackendError, create_attention_backend
+from sglite.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglite.srt.model_executor.forward_batch_info import ForwardMode
+
+MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_BLOCK]
+
+
+def _lens(mode: ForwardMode) -> tuple[list[int], list[int]]:
+    if mode == ForwardMode.DECODE:
+        return [0, 7, 33], [1, 1, 1]
+    if mode == ForwardMode.EXTEND:
+        return [0, 19, 3], [11, 5, 24]
+    return [4, 30, 17], [4, 4, 4]  # VERIFY / DRAFT_BLOCK: one block size B for all
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_torch_native_equals_dense_sdpa(mode, page_size, sliding_window):
+    prefix, extend = _lens(mode)
+    case = build_case(
+        mode, prefix, extend, page_size=page_size, num_kv_heads=2, group=4, head_dim=32, v_head_dim=16,
+        sliding_window=sliding_window, seed=page_size,
+    )
+    out = run_backend(TorchNativeAttnBackend(), case)
+    ref = dense_reference(case, causal=mode != ForwardMode.DRAFT_BLOCK)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_draft_block_is_non_causal_and_verify_is_causal():
+    """Same inputs: the first query of a block differs between the modes, the last one does not."""
+    outs = {}
+    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_BLOCK):
+        case = build_case(mode, [5], [4], page_size=1, num_kv_heads=1, group=2, head_dim=16, seed=3)
+        outs[mode] = run_backend(TorchNativeAttnBackend(), case)
+    verify, block = outs[ForwardMode.TARGET_VERIFY], outs[ForwardMode.DRAFT_BLOCK]
+    assert not torch.allclose(verify[0], block[0])
+    torch.testing.assert_close(verify[-1], block[-1])
+
+
+def test_backend_writes_new_kv_into_pool():
+    case = build_case(ForwardMode.EXTEND, [3, 0], [2, 5], page_size=16, num_kv_heads=2, group=1, head_dim=16)
+    run_backend(TorchNativeAttnBackend(), case)
+    pool, fb = case.forward_batch.token_to_kv_pool, case.forward_batch
+    k_buf = pool.get_key_buffer(case.layer.layer_id)
+    torch.testing.assert_close(k_buf[fb.out_cache_loc].reshape(case.k.shape), case.k)
+
+
+def test_save_kv_cache_false_reads_what_the_pool_holds():
+    case = build_case(ForwardMode.EXTEND, [3], [4], page_size=1, num_kv_heads=1, group=1, head_dim=16)
+    ref = run_backend(TorchNativeAttnBackend(), case)  # writes the new K/V
+    case.k = torch.zeros_like(case.k)  # ignored when save_kv_cache=False
+    torch.testing.assert_close(run_backend(TorchNativeAttnBackend(), case, save_kv_cache=False), ref)
+
+
+def test_idle_returns_empty_output():
+    case = build_case(ForwardMode.EXTEND, [0], [2], page_size=1, num_kv_heads=1, group=2, head_dim=16)
+    case.forward_batch.forward_mode = ForwardMode.IDLE
+    empty = torch.empty(0, case.q.shape[1])
+    backend = TorchNativeAttnBackend()
+    case.forward_batch.attn_backend = backend
+    backend.init_forward_metadata(case.forward_batch)
+    out = case.layer(empty, empty[:, :16], empty[:, :16], case.forward_batch)
+    assert out.shape == (0, case.layer.num_heads * case.layer.v_head_dim)
+
+
+def test_forward_before_metadata_is_an_error():
+    case = build_case(ForwardMode.EXTEND, [0], [2], page_size=1, num_kv_heads=1, group=1, head_dim=16)
+    case.forward_batch.attn_backend = TorchNativeAttnBackend()
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        case.layer(case.q, case.k, case.v, case.forward_batch)
+
+
+def test_registry_names_and_errors():
+    runner = SimpleNamespace(device=torch.device("cpu"))
+    assert isinstance(create_attention_backend("torch_native", runner), TorchNativeAttnBackend)
+    with pytest.raises(AttentionBackendError, match="--attention-backend"):
+        create_attention_backend("flashinfer", runner)
+    with pytest.raises(AttentionBackendError, match="choose one of"):
+        create_attention_backend("sdpa", runner)
+
+
+def test_radix_attention_rejects_bad_geometry():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        RadixAttention(6, 16, 0.25, 4, layer_id=0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        RadixAttention(4, 16, 0.25, 2, layer_id=0, sliding_window=0)
+    layer = RadixAttention(8, 16, 0.25, 2, layer_id=3)
+    assert layer.kv_group_size == 4 and layer.v_head_dim == 16
