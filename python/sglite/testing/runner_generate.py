@@ -1,0 +1,61 @@
+"""Greedy decoding straight on a ModelRunner (no scheduler): for tests and one-batch benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from sglite.srt.model_executor.forward_batch_info import ForwardMode
+
+
+def greedy_generate(
+    runner: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, shared_prefix_len: int = 0
+) -> list[list[int]]:
+    """Prefill every prompt, then decode ``max_new_tokens`` greedy tokens per request in one batch.
+
+    With ``shared_prefix_len`` > 0 the first prompt is prefilled alone and the others reuse its first
+    ``shared_prefix_len`` KV slots through req_to_token (their prefill is an EXTEND over that prefix),
+    the way a prefix cache hit runs. The prefix must be page-aligned for page sizes > 1.
+    """
+    prompts = [list(p) for p in prompts]
+    page = runner.token_to_kv_pool_allocator.page_size
+    if shared_prefix_len:
+        if shared_prefix_len % page != 0:
+            raise ValueError(f"shared_prefix_len {shared_prefix_len} is not a multiple of page_size {page}")
+        head = prompts[0][:shared_prefix_len]
+        for i, p in enumerate(prompts):
+            if p[:shared_prefix_len] != head or len(p) <= shared_prefix_len:
+                raise ValueError(f"prompt {i} does not extend the shared prefix of length {shared_prefix_len}")
+    rows = runner.req_to_token_pool.alloc(len(prompts))
+    if rows is None:
+        raise RuntimeError(f"no free req_to_token rows for {len(prompts)} requests")
+    table = runner.req_to_token_pool.req_to_token
+    if shared_prefix_len:
+        first = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(rows[0], 0, prompts[0])]))
+        for row in rows[1:]:
+            table[row, :shared_prefix_len] = table[rows[0], :shared_prefix_len]
+        rest = runner.forward(
+            runner.build_forward_batch(
+                ForwardMode.EXTEND,
+                [(row, shared_prefix_len, p[shared_prefix_len:]) for row, p in zip(rows[1:], prompts[1:])],
+            )
+        ) if len(prompts) > 1 else None
+        logits = first.next_token_logits
+        if rest is not None:
+            logits = torch.cat([logits, rest.next_token_logits], dim=0)
+    else:
+        out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)]))
+        logits = out.next_token_logits
+    next_ids = torch.argmax(logits, dim=-1).tolist()
+    generated = [[t] for t in next_ids]
+    seq_lens = [len(p) for p in prompts]
+    for _ in range(max_new_tokens - 1):
+        batch = runner.build_forward_batch(
+            ForwardMode.DECODE, [(r, s, [g[-1]]) for r, s, g in zip(rows, seq_lens, generated)]
+        )
+        next_ids = torch.argmax(runner.forward(batch).next_token_logits, dim=-1).tolist()
+        seq_lens = [s + 1 for s in seq_lens]
+        for g, t in zip(generated, next_ids):
+            g.append(t)
+    return generated
