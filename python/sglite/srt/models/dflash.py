@@ -254,6 +254,11 @@ class DFlashDraftModel(nn.Module):
         hidden = self.block_hidden(input_ids, positions, forward_batch)
         return LogitsProcessorOutput(next_token_logits=self.compute_logits(hidden), hidden_states=hidden)
 
+    def propose_drafts(self, out: LogitsProcessorOutput, forward_batch: ForwardBatch, block_size: int) -> torch.Tensor:
+        """Drafts [bs, B-1]: argmax of the target LM head over block rows 1..B-1 (logits gathered under TP)."""
+        logits = out.next_token_logits.reshape(forward_batch.batch_size, block_size, -1)
+        return logits[:, 1:].argmax(dim=-1)
+
     # ------------------------------------------------------------------ weights
     # checkpoint name fragment -> (fused parameter fragment, shard id), as the target models do.
     stacked_params_mapping = (
