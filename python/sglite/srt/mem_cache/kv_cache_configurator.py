@@ -158,16 +158,23 @@ class KVCacheConfigurator:
         budget_bytes: Optional[int] = None,
         pre_model_load_free_bytes: Optional[int] = None,
         weights_bytes: Optional[int] = None,
+        post_model_load_free_bytes: Optional[int] = None,
         tp_group: Any = None,
     ) -> int:
-        """Budget from an explicit value, the CUDA profile, or the CPU flag; MIN over ``tp_group``."""
+        """Budget from an explicit value, the CUDA profile, or the CPU flag; MIN over ``tp_group``.
+
+        On CUDA pass the free bytes before weights load (MIN over ranks) and either ``weights_bytes`` or
+        this rank's free bytes after the load (then weights = before - after).
+        """
         sa = self.server_args
         if budget_bytes is None:
             if torch.device(self.device).type == "cuda":
+                if weights_bytes is None and pre_model_load_free_bytes is not None and post_model_load_free_bytes is not None:
+                    weights_bytes = pre_model_load_free_bytes - post_model_load_free_bytes
                 if pre_model_load_free_bytes is None or weights_bytes is None:
                     raise MemoryPlanError(
                         "on CUDA the KV budget needs pre_model_load_free_bytes (free memory before weights load, "
-                        "MIN over ranks) and weights_bytes (what loading the weights took)"
+                        "MIN over ranks) and weights_bytes or post_model_load_free_bytes"
                     )
                 budget_bytes = compute_device_budget_bytes(
                     pre_model_load_free_bytes, weights_bytes, sa.mem_fraction_static
@@ -199,6 +206,7 @@ class KVCacheConfigurator:
         budget_bytes: Optional[int] = None,
         pre_model_load_free_bytes: Optional[int] = None,
         weights_bytes: Optional[int] = None,
+        post_model_load_free_bytes: Optional[int] = None,
         tp_group: Any = None,
     ) -> MemoryPoolConfig:
         """Solve the per-rank plan (target), or return the target's plan verbatim (draft)."""
@@ -214,7 +222,7 @@ class KVCacheConfigurator:
             )
         budget = self.resolve_budget_bytes(
             budget_bytes=budget_bytes, pre_model_load_free_bytes=pre_model_load_free_bytes,
-            weights_bytes=weights_bytes, tp_group=tp_group,
+            weights_bytes=weights_bytes, post_model_load_free_bytes=post_model_load_free_bytes, tp_group=tp_group,
         )
         kv_dtype = configure_kv_cache_dtype(sa.kv_cache_dtype, mc, model_dtype=self.model_dtype)
         context_len = int(sa.context_length or mc.max_position_embeddings)
