@@ -164,7 +164,7 @@ else:
     _decode_kernel = triton.autotune(
         configs=[
             triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bn, w, s in [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 2), (128, 8, 3)]
+            for bn, w, s in [(32, 4, 2), (64, 4, 2), (128, 4, 2), (64, 8, 3)]
         ],
         key=["GROUP", "HEAD_DIM", "V_HEAD_DIM", "NUM_SPLITS", "USE_WINDOW", "DOT_FP32"],
     )(_decode_split_kernel)

@@ -139,7 +139,7 @@ else:
     _extend_kernel = triton.autotune(
         configs=[
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (32, 64, 4, 2), (16, 64, 4, 2)]
+            for bm, bn, w, s in [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2)]
         ],
         key=["GROUP", "HEAD_DIM", "V_HEAD_DIM", "CAUSAL", "USE_WINDOW", "DOT_FP32"],
     )(_extend_attn_kernel)
