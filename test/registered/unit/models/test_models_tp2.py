@@ -1,0 +1,85 @@
+"""Tensor parallelism on CPU: two gloo ranks (fork) give the same logits and greedy tokens as transformers."""
+
+import pytest
+import torch
+
+from sglite.srt.distributed.local_launch import run_local_ranks
+from sglite.srt.model_executor.forward_batch_info import ForwardMode
+from sglite.srt.server_args import ServerArgs
+from sglite.testing.runner_generate import greedy_generate
+from sglite.testing.tiny_models import build_tiny_model, load_hf_model
+
+SUITE = "unit-cpu"
+EST_TIME = 40
+
+PROMPTS = [[5, 17, 300, 41, 7, 99, 250], [100, 200, 300], list(range(60, 84)), [42]]
+SHARED = [11, 12, 13, 14, 15, 16, 17, 18]
+SHARED_PROMPTS = [SHARED + [200, 201, 202], SHARED + [7], SHARED + list(range(300, 310))]
+
+
+def _rank_main(rank: int, world_size: int, init_method: str, model_dir: str) -> dict:
+    from sglite.srt.distributed.parallel_state import get_tp_group
+    from sglite.srt.model_executor.model_runner import ModelRunner
+
+    args = ServerArgs(model_path=model_dir, device="cpu", tp_size=world_size, cpu_kv_cache_budget_mb=2).validate()
+    runner = ModelRunner(args, rank=rank, world_size=world_size, dist_init_method=init_method)
+    attn = runner.model.model.layers[0].self_attn
+    rows = runner.req_to_token_pool.alloc(len(PROMPTS))
+    out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, PROMPTS)]))
+    result = {
+        "tp_world": get_tp_group().world_size,
+        "local_heads": (attn.num_heads, attn.num_kv_heads),
+        "kv_pool_heads": runner.token_to_kv_pool.head_num,
+        "local_vocab_rows": runner.model.lm_head.weight.shape[0],
+        "prefill_logits": out.next_token_logits.tolist(),  # plain lists: tensors would travel by shared memory
+        "greedy": greedy_generate(runner, PROMPTS, 32),
+        "greedy_shared": greedy_generate(runner, SHARED_PROMPTS, 32, shared_prefix_len=len(SHARED)),
+    }
+    return result
+
+
+def _hf_greedy(hf, prompts, n):
+    return [
+        hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tp2_matches_transformers(arch, tmp_path):
+    torch.set_num_threads(1)
+    d = str(tmp_path / arch)
+    build_tiny_model(d, arch, seed=11, with_tokenizer=False, eos_token_id=None, num_hidden_layers=2)
+    hf = load_hf_model(d)
+    with torch.no_grad():
+        ref_logits = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
+    ref_greedy = _hf_greedy(hf, PROMPTS, 32)
+    ref_shared = _hf_greedy(hf, SHARED_PROMPTS, 32)
+
+    results = run_local_ranks(_rank_main, 2, d, timeout_s=150)
+    for rank, res in enumerate(results):
+        assert res["tp_world"] == 2
+        assert res["local_heads"] == (2, 1)  # 4 query / 2 KV heads split over 2 ranks
+        assert res["kv_pool_heads"] == 1
+        assert res["local_vocab_rows"] == 256
+        torch.testing.assert_close(torch.tensor(res["prefill_logits"]), ref_logits, atol=1e-4, rtol=0)
+        assert res["greedy"] == ref_greedy, f"rank {rank}"
+        assert res["greedy_shared"] == ref_shared, f"rank {rank}"
+
+
+@pytest.mark.timeout(180)
+def test_tp4_replicates_kv_heads(tmp_path):
+    """tp 4 > 2 KV heads: each rank holds one (replicated) KV head and the output is unchanged."""
+    torch.set_num_threads(1)
+    d = str(tmp_path / "qwen3")
+    build_tiny_model(d, "qwen3", seed=12, with_tokenizer=False, eos_token_id=None)
+    hf = load_hf_model(d)
+    with torch.no_grad():
+        ref_logits = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
+    ref_greedy = _hf_greedy(hf, PROMPTS, 32)
+    results = run_local_ranks(_rank_main, 4, d, timeout_s=150)
+    for res in results:
+        assert res["local_heads"] == (1, 1)
+        torch.testing.assert_close(torch.tensor(res["prefill_logits"]), ref_logits, atol=1e-4, rtol=0)
+        assert res["greedy"] == ref_greedy
