@@ -1,0 +1,100 @@
+"""Which waiting requests a prefill batch admits: queue order (lpm / fcfs) and the admission budget.
+
+Admission is bounded by (a) free KV slots plus what the prefix cache could evict, minus a reserve for
+the future decode tokens of running and admitted requests (``new_token_ratio`` of their remaining
+``max_new_tokens``, as SGLang estimates it), (b) ``max_running_requests`` and free req_to_token rows,
+and (c) the chunked-prefill token budget per forward. A request that does not fit the chunk budget
+is cut into a page-aligned chunk and becomes the batch's (single) chunked request.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from sglite.srt.managers.schedule_batch import Req
+from sglite.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+# Above this many waiting requests, lpm's prefix matching costs more than it saves: use fcfs.
+LPM_MAX_QUEUE = 128
+# Cap on the decode tokens one request is assumed to still need when reserving KV for it.
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+class Policy(str, enum.Enum):
+    """Waiting-queue order."""
+
+    LPM = "lpm"  # longest cached prefix first (maximises radix reuse)
+    FCFS = "fcfs"  # arrival order
+
+
+def prefix_key(req: Req) -> list[int]:
+    """The tokens a request may take from the prefix cache: all but the newest (its logits are needed)."""
+    return req.all_token_ids[:-1]
+
+
+class SchedulePolicy:
+    """Orders the waiting queue."""
+
+    def __init__(self, policy: str, tree_cache: BasePrefixCache, cache_enabled: bool) -> None:
+        self.policy = Policy(policy)
+        self.tree_cache = tree_cache
+        self.cache_enabled = cache_enabled
+
+    def order(self, waiting: list[Req]) -> list[Req]:
+        """Waiting requests in the order they should be tried (stable: ties keep arrival order)."""
+        if self.policy == Policy.FCFS or not self.cache_enabled or len(waiting) > LPM_MAX_QUEUE:
+            return list(waiting)
+        match_len = {id(r): self.tree_cache.match_prefix(prefix_key(r)).length for r in waiting}
+        return sorted(waiting, key=lambda r: -match_len[id(r)])
+
+
+def pages_needed(prefix_len: int, extend_len: int, page_size: int) -> int:
+    """Slots (whole fresh pages) the allocator takes to extend a request from ``prefix_len`` by ``extend_len``."""
+    tail_room = (page_size - prefix_len % page_size) % page_size
+    fresh = max(0, extend_len - tail_room)
+    return -(-fresh // page_size) * page_size
+
+
+class AddResult(enum.Enum):
+    """Outcome of offering one request to the budget."""
+
+    ADDED = "added"  # the whole remaining prompt fits
+    CHUNKED = "chunked"  # a chunk fits; the request continues in a later prefill
+    NO_TOKENS = "no_tokens"  # KV budget exhausted: stop admitting
+    NO_CHUNK_BUDGET = "no_chunk_budget"  # the forward's token budget is spent: stop admitting
+
+
+@dataclass
+class PrefillBudget:
+    """Remaining KV tokens and per-forward prefill tokens while one prefill batch is assembled."""
+
+    rem_kv_tokens: int
+    rem_chunk_tokens: Optional[int]  # None = chunked prefill disabled
+    page_size: int
+    new_token_ratio: float
+
+    def reserve_for(self, req: Req) -> int:
+        """Estimated future decode tokens of ``req`` to keep free."""
+        remaining = max(0, req.sampling_params.max_new_tokens - len(req.output_ids))
+        return int(min(remaining, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+
+    def offer(self, req: Req, prefix_len: int) -> tuple[AddResult, int]:
+        """Try to admit ``req``'s tokens after ``prefix_len``; return (result, tokens to prefill now)."""
+        extend = req.seq_len - prefix_len
+        if extend <= 0:
+            raise ValueError(f"request {req.rid} has nothing to prefill (prefix {prefix_len}, seq {req.seq_len})")
+        take = extend
+        if self.rem_chunk_tokens is not None and extend > self.rem_chunk_tokens:
+            take = self.rem_chunk_tokens // self.page_size * self.page_size
+            if take <= 0:
+                return AddResult.NO_CHUNK_BUDGET, 0
+        slots = pages_needed(prefix_len, take, self.page_size)
+        reserve = self.reserve_for(req) if take == extend else 0
+        if slots + reserve > self.rem_kv_tokens:
+            return AddResult.NO_TOKENS, 0
+        self.rem_kv_tokens -= slots + reserve
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= take
+        return (AddResult.ADDED if take == extend else AddResult.CHUNKED), take

@@ -1,0 +1,573 @@
+"""Scheduler: continuous batching over a model worker, with a radix prefix cache.
+
+One ``step()``:
+1. assemble a prefill batch from the chunked request (if any) and the waiting queue (lpm / fcfs),
+   bounded by free KV slots (+ evictable cache), ``max_running_requests`` and the chunk budget;
+2. if there is one, run it (prefill has priority, as in SGLang); otherwise run one decode step for
+   every running request, retracting requests (free their KV, requeue them) while the slots for the
+   step cannot be found even after evicting the prefix cache;
+3. apply finish conditions token by token (a speculative step may return several tokens), release
+   finished requests into the prefix cache, and return the new tokens as a ``BatchTokenIDOut``.
+
+Slot accounting invariant: ``allocator.available_size() + tree_cache.total_size()`` plus the slots
+held by requests in flight equals the allocator's size; with nothing in flight it is the size.
+
+The worker seam (``ModelWorker``): the scheduler allocates KV slots and writes them into
+``req_to_token`` before calling ``forward_prefill`` / ``forward_decode``; for decode it allocates
+``worker.num_decode_tokens_per_req`` slots per request (1, or the block size B under speculation).
+The worker returns each request's new token ids (prefill: 1; decode: 1..B, whose K/V it has written
+at the first slots); the scheduler keeps what the finish conditions allow and frees the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence, Union
+
+import torch
+
+from sglite.srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    HealthCheckOutput,
+    HealthCheckReq,
+    TokenizedGenerateReqInput,
+    finish_abort,
+    finish_length,
+    finish_stop,
+)
+from sglite.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglite.srt.managers.schedule_policy import AddResult, PrefillBudget, SchedulePolicy, pages_needed, prefix_key
+from sglite.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sglite.srt.mem_cache.chunk_cache import ChunkCache
+from sglite.srt.mem_cache.radix_cache import RadixCache
+from sglite.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelWorker(Protocol):
+    """What the scheduler needs from a model worker (TpModelWorker, DFlashWorker, test fakes)."""
+
+    req_to_token_pool: Any  # ReqToTokenPool
+    token_to_kv_pool_allocator: Any  # PagedTokenToKVPoolAllocator
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_len: int
+    num_decode_tokens_per_req: int  # slots allocated per request per decode step (1, or B for spec)
+    is_speculative: bool
+
+    def forward_prefill(self, batch: ScheduleBatch) -> list[list[int]]:
+        """Run the prefill; return one sampled token per request (ignored for unfinished chunks)."""
+
+    def forward_decode(self, batch: ScheduleBatch) -> list[list[int]]:
+        """Run one decode step; return 1..num_decode_tokens_per_req new tokens per request."""
+
+    def memory_plan(self) -> dict[str, Any]:
+        """This rank's memory plan (MemoryPoolConfig as a dict)."""
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduling knobs that are not server flags (SGLang's defaults)."""
+
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+
+
+class Scheduler:
+    """Continuous-batching scheduler of one rank; in-process API: add_request / abort / step."""
+
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        worker: ModelWorker,
+        *,
+        tokenizer: Any = None,
+        eos_token_ids: Sequence[int] = (),
+        config: Optional[SchedulerConfig] = None,
+    ) -> None:
+        self.server_args = server_args
+        self.worker = worker
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(int(t) for t in eos_token_ids)
+        self.config = config or SchedulerConfig()
+        self.req_to_token_pool = worker.req_to_token_pool
+        self.allocator = worker.token_to_kv_pool_allocator
+        self.page_size = int(self.allocator.page_size)
+        self.max_running_requests = int(worker.max_running_requests)
+        if server_args.max_running_requests is not None:
+            self.max_running_requests = min(self.max_running_requests, server_args.max_running_requests)
+        self.max_running_requests = min(self.max_running_requests, self.req_to_token_pool.size)
+        self.context_len = int(worker.context_len)
+        self.chunked_prefill_size: Optional[int] = (
+            None if server_args.chunked_prefill_size in (None, -1) else int(server_args.chunked_prefill_size)
+        )
+        self.cache_enabled = not server_args.disable_radix_cache
+        self.tree_cache: BasePrefixCache = (
+            RadixCache(self.allocator, self.page_size) if self.cache_enabled else ChunkCache(self.allocator, self.page_size)
+        )
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, self.cache_enabled)
+        self.initial_free_slots = self.allocator.available_size()
+
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Optional[Req] = None
+        self.new_token_ratio = self.config.init_new_token_ratio
+        self._touched: dict[str, Req] = {}  # requests with news for the detokenizer this step
+
+        # Counters for /get_server_info and tests.
+        self.num_retractions = 0
+        self.num_prefill_forwards = 0
+        self.num_decode_forwards = 0
+        self.spec_verify_total = 0
+        self.spec_accepted_total = 0
+        self._gen_tokens_window = 0
+        self._gen_window_start = time.monotonic()
+        self.last_gen_throughput = 0.0
+
+    # ================================================================== requests in
+    def add_request(self, recv: TokenizedGenerateReqInput) -> None:
+        """Queue a tokenized request; an unservable one finishes at once with an abort reason."""
+        req = Req(
+            rid=recv.rid,
+            origin_input_ids=list(recv.input_ids),
+            sampling_params=recv.sampling_params,
+            input_text=recv.input_text,
+            stream=recv.stream,
+        )
+        error = self._validate(req)
+        if error is not None:
+            logger.warning("request %s rejected: %s", req.rid, error)
+            req.finished_reason = finish_abort(error)
+            self._touch(req)
+            return
+        self.waiting_queue.append(req)
+
+    def _validate(self, req: Req) -> Optional[str]:
+        n = len(req.origin_input_ids)
+        max_new = req.sampling_params.max_new_tokens
+        if n == 0:
+            return "the prompt is empty (0 tokens)"
+        if any(r.rid == req.rid for r in self._all_live_reqs()):
+            return f"request id {req.rid!r} is already in use"
+        if n + max_new > self.context_len:
+            return f"prompt ({n}) + max_new_tokens ({max_new}) exceeds the context length {self.context_len}"
+        need = pages_needed(0, n + max_new, self.page_size)
+        if need > self.initial_free_slots:
+            return (
+                f"the request needs {need} KV slots but the pool holds {self.initial_free_slots}; "
+                "lower max_new_tokens or raise the KV budget (--mem-fraction-static / --cpu-kv-cache-budget-mb)"
+            )
+        if req.sampling_params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer in the scheduler"
+        return None
+
+    def abort_request(self, recv: AbortReq) -> None:
+        """Abort one request (or all): free its slots and report it finished with an abort reason."""
+        for req in list(self._all_live_reqs()):
+            if recv.abort_all or req.rid == recv.rid:
+                self._finish_now(req, finish_abort(recv.message))
+
+    def _finish_now(self, req: Req, reason: dict[str, Any]) -> None:
+        """End a request wherever it is (waiting, chunked, running)."""
+        req.finished_reason = reason
+        if req in self.waiting_queue:
+            self.waiting_queue.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        self._touch(req)
+
+    def _all_live_reqs(self) -> list[Req]:
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        return self.waiting_queue + chunked + self.running
+
+    # ================================================================== the loop body
+    def step(self) -> list[BatchTokenIDOut]:
+        """One scheduling step: a prefill batch if one can be formed, else a decode step."""
+        batch = self._get_new_prefill_batch()
+        if batch is not None:
+            self._run_prefill(batch)
+        elif self.running:
+            self._run_decode()
+        return self._collect_outputs()
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything (requests in flight or outputs pending)."""
+        return bool(self.waiting_queue or self.running or self.chunked_req or self._touched)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> list[BatchTokenIDOut]:
+        """Step until no request is left; return every output message."""
+        outs: list[BatchTokenIDOut] = []
+        for _ in range(max_steps):
+            if not self.has_work():
+                return outs
+            forwards = self.num_prefill_forwards + self.num_decode_forwards
+            step_outs = self.step()
+            outs.extend(step_outs)
+            if not step_outs and forwards == self.num_prefill_forwards + self.num_decode_forwards:
+                raise RuntimeError(
+                    f"scheduler is stuck: {len(self.waiting_queue)} waiting requests cannot be admitted "
+                    f"({self.allocator.available_size()} free slots, {self.tree_cache.evictable_size()} evictable)"
+                )
+        raise RuntimeError(f"run_until_idle: still busy after {max_steps} steps")
+
+    # ================================================================== prefill
+    def _get_new_prefill_batch(self) -> Optional[ScheduleBatch]:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running_reserve = sum(
+            PrefillBudget(0, None, self.page_size, self.new_token_ratio).reserve_for(r) for r in self.running
+        ) + len(self.running) * self.worker.num_decode_tokens_per_req
+        budget = PrefillBudget(
+            rem_kv_tokens=0,  # set per offer below: the evictable size moves as prefixes get locked
+            rem_chunk_tokens=self.chunked_prefill_size,
+            page_size=self.page_size,
+            new_token_ratio=self.new_token_ratio,
+        )
+        admitted: list[tuple[Req, int]] = []  # (req, tokens to prefill now)
+        used_kv = 0
+
+        def offer(req: Req, force: bool) -> AddResult:
+            nonlocal used_kv
+            free = self.allocator.available_size() + self.tree_cache.evictable_size()
+            budget.rem_kv_tokens = free - running_reserve - used_kv
+            if force:  # nothing else is in flight: admit even if its future decode reserve does not fit
+                budget.new_token_ratio = 0.0
+            before = budget.rem_kv_tokens
+            result, take = budget.offer(req, req.kv_len)
+            budget.new_token_ratio = self.new_token_ratio
+            if result in (AddResult.ADDED, AddResult.CHUNKED):
+                used_kv += before - budget.rem_kv_tokens
+                admitted.append((req, take))
+            return result
+
+        stop = False
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            result = offer(req, force=not self.running)
+            if result == AddResult.ADDED:
+                self.chunked_req = None
+            stop = result != AddResult.ADDED  # still chunked (budget spent) or no room: nothing else this round
+            if result == AddResult.NO_TOKENS and not self.running:
+                self._finish_now(req, finish_abort(self._no_room_message(req)))
+        if not stop:
+            for req in self.policy.order(self.waiting_queue):
+                if len(self.running) + len(admitted) >= self.max_running_requests:
+                    break
+                if self.req_to_token_pool.available_size() < 1:
+                    break
+                match = self.tree_cache.match_prefix(prefix_key(req))
+                self.tree_cache.inc_lock_ref(match.last_node)
+                req.prefix_indices, req.last_node, req.kv_len = match.indices, match.last_node, match.length
+                force = not self.running and not admitted
+                result = offer(req, force)
+                if result in (AddResult.NO_TOKENS, AddResult.NO_CHUNK_BUDGET):
+                    self.tree_cache.dec_lock_ref(match.last_node)
+                    req.reset_kv_state()
+                    break
+                self.waiting_queue.remove(req)
+                row = self.req_to_token_pool.alloc(1)
+                assert row is not None  # checked available_size above
+                req.req_pool_idx = row[0]
+                if match.length:
+                    self.req_to_token_pool.write(req.req_pool_idx, 0, match.indices)
+                if not req.admitted_once:
+                    req.cached_tokens, req.admitted_once = match.length, True
+                if result == AddResult.CHUNKED:
+                    self.chunked_req = req
+                    break
+        if not admitted:
+            return None
+        return self._build_prefill_batch(admitted)
+
+    def _build_prefill_batch(self, admitted: list[tuple[Req, int]]) -> ScheduleBatch:
+        reqs = [r for r, _ in admitted]
+        prefix = [r.kv_len for r in reqs]
+        seq = [r.kv_len + n for r, n in admitted]
+        loc = self._alloc_extend(reqs, prefix, seq)
+        if loc is None:
+            raise RuntimeError("prefill admission promised KV slots that the allocator could not provide")
+        input_ids: list[int] = []
+        offset = 0
+        for (req, n), p in zip(admitted, prefix):
+            input_ids.extend(req.all_token_ids[p : p + n])
+            self.req_to_token_pool.write(req.req_pool_idx, p, loc[offset : offset + n])
+            offset += n
+        return ScheduleBatch(
+            reqs=reqs,
+            is_prefill=True,
+            input_ids=input_ids,
+            prefix_lens=prefix,
+            extend_lens=[n for _, n in admitted],
+            out_cache_loc=loc,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+        )
+
+    def _run_prefill(self, batch: ScheduleBatch) -> None:
+        results = self.worker.forward_prefill(batch)
+        self.num_prefill_forwards += 1
+        if len(results) != batch.batch_size:
+            raise RuntimeError(f"worker returned {len(results)} results for {batch.batch_size} requests")
+        for req, n, tokens in zip(batch.reqs, batch.extend_lens, results):
+            req.kv_len += n
+            if req.kv_len < req.seq_len:
+                continue  # an unfinished chunk: its sampled token is meaningless
+            if len(tokens) != 1:
+                raise RuntimeError(f"prefill must return exactly one token per request, got {len(tokens)}")
+            self._append_tokens(req, tokens)
+            if req.finished:
+                self._release(req)
+            else:
+                self.running.append(req)
+
+    # ================================================================== decode
+    def _run_decode(self) -> None:
+        t = int(self.worker.num_decode_tokens_per_req)
+        loc = None
+        while self.running:
+            self._check_row_room(t)
+            loc = self._alloc_extend(self.running, [r.kv_len for r in self.running], [r.kv_len + t for r in self.running])
+            if loc is not None:
+                break
+            if len(self.running) == 1:
+                req = self.running[0]
+                self._finish_now(req, finish_abort(self._no_room_message(req)))
+                return
+            self._retract_one()
+        if not self.running or loc is None:
+            return
+        reqs = list(self.running)
+        for i, req in enumerate(reqs):
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, loc[i * t : (i + 1) * t])
+        batch = ScheduleBatch(
+            reqs=reqs,
+            is_prefill=False,
+            input_ids=[r.all_token_ids[-1] for r in reqs],
+            prefix_lens=[r.kv_len for r in reqs],
+            extend_lens=[t] * len(reqs),
+            out_cache_loc=loc,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+        )
+        results = self.worker.forward_decode(batch)
+        self.num_decode_forwards += 1
+        if len(results) != len(reqs):
+            raise RuntimeError(f"worker returned {len(results)} results for {len(reqs)} requests")
+        for req, tokens in zip(reqs, results):
+            if not 1 <= len(tokens) <= t:
+                raise RuntimeError(f"decode must return 1..{t} tokens per request, got {len(tokens)}")
+            if self.worker.is_speculative:
+                req.spec_verify_ct += 1
+                req.spec_accepted_tokens += len(tokens)
+                self.spec_verify_total += 1
+                self.spec_accepted_total += len(tokens)
+            old_kv = req.kv_len
+            kept = self._append_tokens(req, tokens)
+            req.kv_len = old_kv + kept
+            self._free_positions(req, self._round_up(req.kv_len), old_kv + t)
+            if req.finished:
+                self.running.remove(req)
+                self._release(req)
+        self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay)
+
+    def _check_row_room(self, t: int) -> None:
+        cols = self.req_to_token_pool.req_to_token.shape[1]
+        for req in self.running:
+            if req.kv_len + t > cols:
+                raise RuntimeError(
+                    f"request {req.rid} needs {req.kv_len + t} req_to_token columns but rows hold {cols}; "
+                    "the req_to_token pool must be sized context_len + num_decode_tokens_per_req"
+                )
+
+    def _retract_one(self) -> None:
+        """Free the KV of the running request with the least progress and requeue it at the front."""
+        # SGLang's choice: fewest generated tokens first, then the longest prompt (frees the most).
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        self.running.remove(victim)
+        self._free_positions(victim, victim.prefix_len, victim.kv_len)
+        self.tree_cache.dec_lock_ref(victim.last_node)
+        self.req_to_token_pool.free(victim.req_pool_idx)
+        victim.reset_kv_state()
+        victim.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting_queue.insert(0, victim)
+        self.new_token_ratio = self.config.init_new_token_ratio
+        logger.info("retracted request %s (%d running left)", victim.rid, len(self.running))
+
+    # ================================================================== finish conditions
+    def _append_tokens(self, req: Req, tokens: Sequence[int]) -> int:
+        """Append tokens one by one until a finish condition hits; return how many were kept."""
+        kept = 0
+        for tok in tokens:
+            req.output_ids.append(int(tok))
+            kept += 1
+            self._gen_tokens_window += 1
+            self._check_finished(req)
+            if req.finished:
+                break
+        self._touch(req)
+        return kept
+
+    def _check_finished(self, req: Req) -> None:
+        sp = req.sampling_params
+        last = req.output_ids[-1]
+        if len(req.output_ids) >= sp.max_new_tokens:
+            req.finished_reason = finish_length(sp.max_new_tokens)
+        elif last in sp.stop_token_ids or (not sp.ignore_eos and last in self.eos_token_ids):
+            req.finished_reason = finish_stop(last)
+        elif req.seq_len >= self.context_len:
+            req.finished_reason = finish_length(len(req.output_ids))
+        elif sp.stop:
+            matched = self._match_stop_str(req)
+            if matched is not None:
+                req.finished_reason = finish_stop(matched)
+
+    def _match_stop_str(self, req: Req) -> Optional[str]:
+        stops = req.sampling_params.stop
+        # A stop string of k characters spans at most k tokens (+ a few for byte-level pieces).
+        window = max(len(s) for s in stops) + 8
+        tail = self.tokenizer.decode(
+            req.output_ids[-window:], skip_special_tokens=req.sampling_params.skip_special_tokens
+        )
+        for s in stops:
+            if s in tail:
+                return s
+        return None
+
+    # ================================================================== KV release
+    def _release(self, req: Req) -> None:
+        """Hand a finished/aborted request's KV to the prefix cache and free its row."""
+        if req.req_pool_idx is None:
+            return
+        row = req.req_pool_idx
+        indices = self.req_to_token_pool.req_to_token[row, : req.kv_len].to(torch.int64).clone()
+        self.tree_cache.cache_finished_req(req.all_token_ids[: req.kv_len], indices, req.prefix_len, req.last_node)
+        self.req_to_token_pool.free(row)
+        req.reset_kv_state()
+
+    def _free_positions(self, req: Req, start: int, end: int) -> None:
+        """Free the request's own slots at positions [start, end) (``start`` page-aligned or == prefix)."""
+        if end > start:
+            self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].to(torch.int64))
+
+    def _round_up(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def _alloc_extend(self, reqs: Sequence[Req], prefix: list[int], seq: list[int]) -> Optional[torch.Tensor]:
+        """Slots for positions [prefix, seq) of each request, evicting from the prefix cache if short."""
+        table = self.req_to_token_pool.req_to_token
+        last_locs = [int(table[r.req_pool_idx, p - 1]) if p > 0 else 0 for r, p in zip(reqs, prefix)]
+        loc = self.allocator.alloc_extend(prefix, seq, last_locs)
+        if loc is None:
+            need = sum(pages_needed(p, s - p, self.page_size) for p, s in zip(prefix, seq))
+            self.tree_cache.evict(need - self.allocator.available_size())
+            loc = self.allocator.alloc_extend(prefix, seq, last_locs)
+        return loc
+
+    def _no_room_message(self, req: Req) -> str:
+        return (
+            f"request {req.rid} cannot get KV slots even with nothing else running "
+            f"({self.allocator.available_size()} free); raise the KV budget or lower max_new_tokens"
+        )
+
+    # ================================================================== outputs
+    def _touch(self, req: Req) -> None:
+        self._touched[req.rid] = req
+
+    def _collect_outputs(self) -> list[BatchTokenIDOut]:
+        reqs = [r for r in self._touched.values() if r.finished or r.stream]
+        self._touched = {rid: r for rid, r in self._touched.items() if not (r.finished or r.stream)}
+        self._update_throughput()
+        if not reqs:
+            return []
+        out = BatchTokenIDOut(
+            rids=[r.rid for r in reqs],
+            output_ids=[r.output_ids[r.sent_len :] for r in reqs],
+            finished_reasons=[r.finished_reason for r in reqs],
+            prompt_tokens=[len(r.origin_input_ids) for r in reqs],
+            completion_tokens=[len(r.output_ids) for r in reqs],
+            cached_tokens=[r.cached_tokens for r in reqs],
+            spec_verify_ct=[r.spec_verify_ct for r in reqs],
+            skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
+            stop_strs=[list(r.sampling_params.stop) for r in reqs],
+        )
+        for r in reqs:
+            r.sent_len = len(r.output_ids)
+        return [out]
+
+    def _update_throughput(self) -> None:
+        elapsed = time.monotonic() - self._gen_window_start
+        if elapsed >= 1.0:
+            self.last_gen_throughput = self._gen_tokens_window / elapsed
+            self._gen_tokens_window = 0
+            self._gen_window_start = time.monotonic()
+
+    # ================================================================== control
+    def flush_cache(self) -> FlushCacheReqOutput:
+        """Drop the prefix cache; refused while requests are in flight."""
+        if self.waiting_queue or self.running or self.chunked_req is not None:
+            return FlushCacheReqOutput(success=False, message="cannot flush the cache while requests are running")
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        return FlushCacheReqOutput(success=True)
+
+    def get_internal_state(self) -> dict[str, Any]:
+        """Live state for /get_server_info."""
+        avg_accept = self.spec_accepted_total / self.spec_verify_total if self.spec_verify_total else None
+        return {
+            "available_kv_slots": self.allocator.available_size(),
+            "allocator_size": int(self.allocator.size),
+            "initial_free_slots": self.initial_free_slots,
+            "max_total_num_tokens": int(self.worker.max_total_num_tokens),
+            "max_running_requests": self.max_running_requests,
+            "tree_cache_size": self.tree_cache.total_size(),
+            "tree_cache_evictable": self.tree_cache.evictable_size(),
+            "num_running_reqs": len(self.running) + (1 if self.chunked_req is not None else 0),
+            "num_waiting_reqs": len(self.waiting_queue),
+            "num_retractions": self.num_retractions,
+            "avg_spec_accept_length": avg_accept,
+            "last_gen_throughput": self.last_gen_throughput,
+            "memory_plan": self.worker.memory_plan(),
+        }
+
+    def handle(self, msg: Any) -> Optional[Any]:
+        """Dispatch one incoming message; return a control reply to send back, if any."""
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort_request(msg)
+        elif isinstance(msg, FlushCacheReq):
+            return self.flush_cache()
+        elif isinstance(msg, GetInternalStateReq):
+            return GetInternalStateReqOutput(internal_state=self.get_internal_state())
+        elif isinstance(msg, HealthCheckReq):
+            return HealthCheckOutput(rid=msg.rid)
+        else:
+            raise TypeError(f"scheduler got an unknown message type {type(msg).__name__}")
+        return None
+
+
+def memory_plan_dict(config: Any) -> dict[str, Any]:
+    """A MemoryPoolConfig-like dataclass as a plain dict (empty for None)."""
+    if config is None:
+        return {}
+    if dataclasses.is_dataclass(config):
+        return {k: v for k, v in dataclasses.asdict(config).items() if isinstance(v, (int, float, str, bool, type(None), list, dict))}
+    return dict(config)
+
+
+Msg = Union[TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq, HealthCheckReq]
