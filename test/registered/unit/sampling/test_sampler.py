@@ -1,0 +1,135 @@
+"""Sampler: greedy, temperature, top-k, top-p, min-p on a fixed distribution; seeded reproducibility."""
+
+import math
+
+import pytest
+import torch
+
+from sglite.srt.layers.sampler import Sampler
+from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglite.srt.sampling.sampling_params import SamplingParams
+
+SUITE = "unit-cpu"
+EST_TIME = 10
+
+PROBS = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02])
+LOGITS = PROBS.log()
+V = PROBS.numel()
+N = 40000
+
+
+def draw(params: SamplingParams, n: int = N, seed: int = 0) -> torch.Tensor:
+    info = SamplingBatchInfo.from_sampling_params([params] * n, V)
+    return Sampler(seed=seed)(LOGITS.expand(n, V).clone(), info)
+
+
+def freqs(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=V).double() / tokens.numel()
+
+
+def assert_matches(tokens: torch.Tensor, expected: torch.Tensor) -> None:
+    """Every token's frequency within 5 standard errors of its expected probability; zeros never drawn."""
+    f = freqs(tokens)
+    expected = expected.double() / expected.sum()
+    se = torch.sqrt(expected * (1 - expected) / tokens.numel()).clamp_min(1e-12)
+    assert torch.all(f[expected == 0] == 0), f"filtered tokens drawn: {f}"
+    z = ((f - expected).abs() / se)[expected > 0]
+    assert z.max() < 5, f"frequencies {f.tolist()} vs expected {expected.tolist()}"
+
+
+def test_greedy_is_argmax_for_temperature_zero_and_top_k_one():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=1)):
+        info = SamplingBatchInfo.from_sampling_params([p] * 6, 50)
+        assert info.all_greedy
+        assert torch.equal(Sampler()(logits, info), logits.argmax(-1))
+
+
+def test_plain_sampling_follows_the_distribution():
+    assert_matches(draw(SamplingParams(temperature=1.0)), PROBS)
+
+
+def test_temperature_reshapes_the_distribution():
+    t = 0.5
+    assert_matches(draw(SamplingParams(temperature=t)), torch.softmax(LOGITS / t, -1))
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    expected = PROBS.clone()
+    expected[3:] = 0
+    assert_matches(draw(SamplingParams(top_k=3)), expected)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # Cumulative mass 0.30, 0.50, 0.65, 0.77 ...: top_p 0.6 keeps the first three (0.65 >= 0.6).
+    expected = PROBS.clone()
+    expected[3:] = 0
+    assert_matches(draw(SamplingParams(top_p=0.6)), expected)
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_max():
+    # 0.35 * 0.30 = 0.105 -> keeps 0.30, 0.20, 0.15, 0.12; drops 0.10 and below.
+    expected = PROBS.clone()
+    expected[4:] = 0
+    assert_matches(draw(SamplingParams(min_p=0.35)), expected)
+
+
+def test_top_k_and_top_p_combine():
+    expected = PROBS.clone()
+    expected[2:] = 0  # top_k 4 then top_p 0.45 -> 0.30, 0.20
+    assert_matches(draw(SamplingParams(top_k=4, top_p=0.45)), expected)
+
+
+def test_seeded_rows_reproduce_independently_of_the_batch():
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (10, 11, 12, 13, 14)]
+    a = Sampler(seed=0)(logits, SamplingBatchInfo.from_sampling_params(params, 64, seed_offsets=[0] * 5))
+    b = Sampler(seed=99)(logits, SamplingBatchInfo.from_sampling_params(params, 64, seed_offsets=[0] * 5))
+    assert torch.equal(a, b)
+    # Row 2 alone, with unseeded neighbours, draws the same token.
+    mixed = [SamplingParams(temperature=1.0), params[2], SamplingParams(temperature=1.0)]
+    rows = logits[[0, 2, 4]]
+    c = Sampler(seed=5)(rows, SamplingBatchInfo.from_sampling_params(mixed, 64, seed_offsets=[0, 0, 0]))
+    assert int(c[1]) == int(a[2])
+
+
+def test_seeded_draws_vary_with_the_step_and_follow_the_distribution():
+    p = SamplingParams(temperature=1.0, seed=1234)
+    sampler = Sampler()
+    tokens = []
+    for step in range(2000):
+        info = SamplingBatchInfo.from_sampling_params([p], V, seed_offsets=[step])
+        tokens.append(int(sampler(LOGITS[None], info)))
+    assert_matches(torch.tensor(tokens), PROBS)
+    again = [int(sampler(LOGITS[None], SamplingBatchInfo.from_sampling_params([p], V, seed_offsets=[s]))) for s in range(50)]
+    assert again == tokens[:50]
+
+
+def test_unseeded_sampler_is_reproducible_from_its_seed():
+    assert torch.equal(draw(SamplingParams(), 500, seed=3), draw(SamplingParams(), 500, seed=3))
+    assert not torch.equal(draw(SamplingParams(), 500, seed=3), draw(SamplingParams(), 500, seed=4))
+
+
+def test_mixed_greedy_and_sampled_rows():
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=2)]
+    logits = torch.stack([LOGITS, LOGITS])
+    info = SamplingBatchInfo.from_sampling_params(params, V)
+    for _ in range(50):
+        out = Sampler()(logits, info)
+        assert int(out[0]) == 0 and int(out[1]) in (0, 1)
+
+
+def test_seed_without_offsets_is_an_error():
+    with pytest.raises(ValueError, match="seed_offsets"):
+        SamplingBatchInfo.from_sampling_params([SamplingParams(seed=1)], V)
+
+
+def test_repeat_interleave_for_verify_rows():
+    info = SamplingBatchInfo.from_sampling_params(
+        [SamplingParams(top_k=2, seed=5), SamplingParams(temperature=0.0)], V, seed_offsets=[7, 0]
+    )
+    rep = info.repeat_interleave(3)
+    assert rep.batch_size == 6
+    assert rep.top_ks.tolist() == [2, 2, 2, V, V, V]
+    assert rep.seed_offsets == [7, 8, 9, 0, 1, 2]
+    assert rep.is_greedy.tolist() == [False] * 3 + [True] * 3
