@@ -6,6 +6,7 @@ EST_TIME = 5
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ _BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "..", "
 def _load_bench():
     spec = importlib.util.spec_from_file_location("bench_attention", os.path.abspath(_BENCH))
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_attention"] = mod  # dataclasses resolve their module through sys.modules
     spec.loader.exec_module(mod)
     return mod
 
