@@ -1,0 +1,66 @@
+"""TpModelWorker: the non-speculative model worker behind the scheduler's seam (one token per step)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from sglite.srt.managers.schedule_batch import ScheduleBatch
+from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglite.srt.server_args import ServerArgs
+
+
+class TpModelWorker:
+    """Wraps one target ModelRunner: prefill = EXTEND, decode = DECODE, one sampled token per request."""
+
+    is_speculative = False
+    num_decode_tokens_per_req = 1
+
+    def __init__(self, model_runner: Any) -> None:
+        self.model_runner = model_runner
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool_allocator = model_runner.token_to_kv_pool_allocator
+        plan = model_runner.memory_pool_config
+        self.max_total_num_tokens = int(plan.max_total_num_tokens)
+        self.max_running_requests = int(plan.max_running_requests)
+        self.context_len = int(self.req_to_token_pool.req_to_token.shape[1])
+        self.vocab_size = int(model_runner.model_config.vocab_size)
+        self.device = torch.device(model_runner.device)
+
+    @classmethod
+    def create(
+        cls, server_args: ServerArgs, *, rank: int = 0, world_size: int = 1, dist_init_method: Optional[str] = None
+    ) -> "TpModelWorker":
+        """Build the target ModelRunner for this rank and wrap it."""
+        from sglite.srt.model_executor.model_runner import ModelRunner
+
+        return cls(ModelRunner(server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method))
+
+    def memory_plan(self) -> dict[str, Any]:
+        """This rank's MemoryPoolConfig as a dict."""
+        return dataclasses.asdict(self.model_runner.memory_pool_config)
+
+    def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
+        # Seeded requests mix their generated-token count into the seed: fresh noise per step,
+        # reproducible whatever shares the batch.
+        return SamplingBatchInfo.from_sampling_params(
+            batch.sampling_params, self.vocab_size, device=self.device, seed_offsets=[len(r.output_ids) for r in batch.reqs]
+        )
+
+    @torch.no_grad()
+    def _forward_and_sample(self, batch: ScheduleBatch) -> list[list[int]]:
+        runner = self.model_runner
+        fb = batch.to_forward_batch(runner.token_to_kv_pool, runner.attn_backend)
+        out = runner.forward(fb)
+        next_ids = runner.sample(out.next_token_logits, self._sampling_info(batch))
+        return [[int(t)] for t in next_ids.tolist()]
+
+    def forward_prefill(self, batch: ScheduleBatch) -> list[list[int]]:
+        """EXTEND over each request's new tokens; one sampled token per request."""
+        return self._forward_and_sample(batch)
+
+    def forward_decode(self, batch: ScheduleBatch) -> list[list[int]]:
+        """DECODE of each request's newest token; one sampled token per request."""
+        return self._forward_and_sample(batch)

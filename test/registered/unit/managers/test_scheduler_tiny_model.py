@@ -1,0 +1,144 @@
+"""Scheduler + TpModelWorker + ModelRunner on a tiny random Qwen3: greedy tokens equal transformers'
+greedy generation through batching, prefix-cache hits, chunked prefill, retraction and aborts."""
+
+import random
+
+import pytest
+import torch
+
+from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
+from sglite.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from sglite.srt.managers.scheduler import Scheduler, SchedulerConfig
+from sglite.srt.managers.tp_worker import TpModelWorker
+from sglite.srt.runtime_context import ParallelState, scoped
+from sglite.srt.sampling.sampling_params import SamplingParams
+from sglite.srt.server_args import ServerArgs
+from sglite.testing.tiny_models import build_tiny_model, load_hf_model
+
+SUITE = "unit-cpu"
+EST_TIME = 60
+
+rng = random.Random(0)
+SYSTEM = [rng.randrange(3, 500) for _ in range(19)]
+PROMPTS = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 5, 12, 30, 7)] + [
+    SYSTEM + [101, 102],
+    SYSTEM + [7, 8, 9, 10],
+]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("qwen3"))
+    # eos None: transformers' generate then never stops early, so lengths are fixed.
+    build_tiny_model(d, "qwen3", seed=3, with_tokenizer=False, eos_token_id=None)
+    hf = load_hf_model(d)
+    expected = {}
+    with torch.no_grad():
+        for i, p in enumerate(PROMPTS):
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+            expected[i] = ids[0, len(p) :].tolist()
+    return d, expected
+
+
+@pytest.fixture()
+def rank0():
+    torch.set_num_threads(1)
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            yield
+        finally:
+            destroy_parallel_runtime()
+
+
+def _scheduler(model_dir, config=None, **kw):
+    args = ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=2, **kw).validate()
+    worker = TpModelWorker.create(args)
+    return Scheduler(args, worker, config=config)
+
+
+def _req(rid, ids, max_new=MAX_NEW, **kw):
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    return TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=list(ids), sampling_params=sp, **kw)
+
+
+def _collect(outs):
+    res = {}
+    for o in outs:
+        for i, rid in enumerate(o.rids):
+            prev = res.get(rid, {"ids": []})
+            res[rid] = {"ids": prev["ids"] + o.output_ids[i], "reason": o.finished_reasons[i], "cached": o.cached_tokens[i]}
+    return res
+
+
+def _assert_clean(s):
+    s.tree_cache.check_integrity()
+    assert s.allocator.available_size() + s.tree_cache.total_size() == s.initial_free_slots
+    assert s.flush_cache().success and s.allocator.available_size() == s.initial_free_slots
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_batch_greedy_equals_transformers(tiny, rank0, page_size):
+    d, expected = tiny
+    s = _scheduler(d, page_size=page_size)
+    for i, p in enumerate(PROMPTS):
+        s.add_request(_req(f"r{i}", p, stream=i % 2 == 1))
+    res = _collect(s.run_until_idle())
+    for i in range(len(PROMPTS)):
+        assert res[f"r{i}"]["ids"] == expected[i], f"prompt {i}"
+        assert res[f"r{i}"]["reason"] == {"type": "length", "length": MAX_NEW}
+    _assert_clean(s)
+
+
+def test_shared_prefix_hit_reports_cached_tokens_and_same_tokens(tiny, rank0):
+    d, expected = tiny
+    s = _scheduler(d)
+    s.add_request(_req("first", PROMPTS[5]))
+    res = _collect(s.run_until_idle())
+    s.add_request(_req("second", PROMPTS[6]))
+    res.update(_collect(s.run_until_idle()))
+    assert res["first"]["cached"] == 0
+    assert res["second"]["cached"] >= len(SYSTEM)
+    assert res["first"]["ids"] == expected[5] and res["second"]["ids"] == expected[6]
+    _assert_clean(s)
+
+
+def test_chunked_prefill_same_tokens(tiny, rank0):
+    d, expected = tiny
+    s = _scheduler(d, chunked_prefill_size=4)
+    for i, p in enumerate(PROMPTS):
+        s.add_request(_req(f"r{i}", p))
+    res = _collect(s.run_until_idle())
+    assert s.num_prefill_forwards > len(PROMPTS)
+    for i in range(len(PROMPTS)):
+        assert res[f"r{i}"]["ids"] == expected[i]
+    _assert_clean(s)
+
+
+def test_retraction_under_tiny_kv_budget(tiny, rank0):
+    d, expected = tiny
+    # 64 KV slots for 7 requests of up to 30 + 12 tokens: decode must retract and requeue.
+    s = _scheduler(d, max_total_tokens=64, config=SchedulerConfig(init_new_token_ratio=0.0, min_new_token_ratio=0.0))
+    for i, p in enumerate(PROMPTS):
+        s.add_request(_req(f"r{i}", p, stream=True))
+    res = _collect(s.run_until_idle())
+    assert s.num_retractions > 0
+    for i in range(len(PROMPTS)):
+        assert res[f"r{i}"]["ids"] == expected[i]
+    _assert_clean(s)
+
+
+def test_abort_frees_slots(tiny, rank0):
+    d, expected = tiny
+    s = _scheduler(d)
+    for i, p in enumerate(PROMPTS):
+        s.add_request(_req(f"r{i}", p, max_new=40))
+    outs = s.step() + s.step() + s.step()
+    assert s.running
+    s.abort_request(AbortReq(rid=s.running[0].rid))
+    s.abort_request(AbortReq(abort_all=True))
+    res = _collect(outs + s.run_until_idle())
+    assert len(res) == len(PROMPTS) and all(r["reason"]["type"] == "abort" for r in res.values())
+    for i in range(len(PROMPTS)):
+        assert res[f"r{i}"]["ids"] == expected[i][: len(res[f"r{i}"]["ids"])]
+    _assert_clean(s)
