@@ -1,0 +1,331 @@
+"""The HTTP server: FastAPI app over the TokenizerManager, run by uvicorn.
+
+Routes: OpenAI (/v1/chat/completions, /v1/completions, /v1/models), SGLang native (/generate,
+/health, /health_generate, /get_model_info | /model_info, /get_server_info | /server_info,
+/abort_request, /flush_cache) and Prometheus /metrics. Every client error is a 400 with an
+OpenAI-style body (FastAPI's 422 included); a dead subprocess turns /health into 503 and stops the
+server with a message naming the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import secrets
+import signal
+import sys
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError as FastAPIRequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from sglite.srt.entrypoints.engine import LaunchedRuntime, LaunchError, launch_subprocesses, server_info
+from sglite.srt.entrypoints.metrics import ServerMetrics
+from sglite.srt.entrypoints.openai.protocol import AbortRequest, GenerateRequest, error_body
+from sglite.srt.entrypoints.openai.serving_base import (
+    error_response,
+    parse_model,
+    read_json_body,
+    run_until_disconnect,
+    sse,
+)
+from sglite.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglite.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglite.srt.managers.io_struct import GenerateReqInput
+from sglite.srt.managers.tokenizer_manager import EngineDeadError, RequestValidationError
+from sglite.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Routes reachable without the API key (liveness probes and scrapers).
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class ApiKeyMiddleware:
+    """Require ``Authorization: Bearer <key>`` on every route except PUBLIC_PATHS (and CORS preflight).
+
+    Digests are compared with ``secrets.compare_digest`` so the check takes the same time whatever
+    the key; pure ASGI so the disconnect signal of ``receive`` reaches the handlers untouched.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key_digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = ""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                header = value.decode("latin-1")
+                break
+        scheme, _, token = header.partition(" ")
+        given = hashlib.sha256(token.encode()).digest()
+        if scheme == "Bearer" and secrets.compare_digest(given, self.key_digest):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(
+            error_body("invalid or missing API key (send 'Authorization: Bearer <key>')", err_type="AuthenticationError", code=401),
+            status_code=401,
+        )
+        await response(scope, receive, send)
+
+
+def create_app(runtime: LaunchedRuntime) -> FastAPI:
+    """The FastAPI app for a launched runtime."""
+    args = runtime.server_args
+    tm = runtime.tokenizer_manager
+    served_name = args.served_model_name or args.model_path or "default"
+    aliases = tuple(x for x in (args.model_path,) if x)
+    chat = OpenAIServingChat(tm, served_name, aliases)
+    completions = OpenAIServingCompletion(tm, served_name, aliases)
+    metrics = ServerMetrics(served_name) if args.enable_metrics else None
+    if metrics is not None:
+        tm.on_request_finished = metrics.observe_finished
+
+    app = FastAPI(title="sglite", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runtime = runtime
+
+    # ---------------------------------------------------------------- error mapping (never 422)
+    @app.exception_handler(FastAPIRequestValidationError)
+    async def _on_validation(request: Request, exc: FastAPIRequestValidationError) -> JSONResponse:
+        return error_response(f"invalid request: {exc.errors()[:3]}")
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(str(exc), param=exc.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def _on_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(str(exc), status=503, err_type="ServiceUnavailableError")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
+        return error_response(str(exc.detail), status=exc.status_code, err_type=err_type)
+
+    @app.exception_handler(Exception)
+    async def _on_bug(request: Request, exc: Exception) -> JSONResponse:
+        # A server bug, not a client error: logged with its traceback, answered in the OpenAI shape.
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        return error_response(f"internal server error: {type(exc).__name__}: {exc}", status=500, err_type="InternalServerError")
+
+    # ---------------------------------------------------------------- OpenAI
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await chat.handle(request)
+
+    @app.post("/v1/completions")
+    async def v1_completions(request: Request) -> Response:
+        return await completions.handle(request)
+
+    @app.get("/v1/models")
+    async def v1_models() -> JSONResponse:
+        return JSONResponse({
+            "object": "list",
+            "data": [{
+                "id": served_name, "object": "model", "created": int(time.time()), "owned_by": "sglite",
+                "root": args.model_path, "max_model_len": tm.context_len,
+            }],
+        })
+
+    # ---------------------------------------------------------------- native
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = await read_json_body(request)
+        if isinstance(body, Response):
+            return body
+        parsed = parse_model(GenerateRequest, body)
+        if isinstance(parsed, Response):
+            return parsed
+        obj = GenerateReqInput(**parsed.model_dump())
+        try:
+            tokenized = tm.tokenize_request(obj)
+        except RequestValidationError as e:
+            return error_response(str(e), param=e.param)
+        if obj.stream:
+            return StreamingResponse(_native_stream(obj, tokenized), media_type="text/event-stream")
+
+        async def full() -> Response:
+            outs = sorted([o async for o in tm.generate_request(obj, tokenized)], key=lambda o: o["index"])
+            public = [{"text": o["text"], "output_ids": o["output_ids"], "meta_info": o["meta_info"]} for o in outs]
+            return JSONResponse(public if obj.is_batch else public[0])
+
+        return await run_until_disconnect(request, full())
+
+    async def _native_stream(obj: GenerateReqInput, tokenized: list) -> AsyncIterator[str]:
+        try:
+            async for o in tm.generate_request(obj, tokenized):
+                item = {"text": o["text"], "output_ids": o["output_ids"], "meta_info": o["meta_info"]}
+                if obj.is_batch:
+                    item["index"] = o["index"]
+                yield sse(item)
+        except EngineDeadError as e:
+            yield sse({"error": error_body(str(e), err_type="ServiceUnavailableError", code=503)})
+        finally:
+            for t in tokenized:
+                if t.rid in tm.rid_to_state:
+                    tm.abort_request(t.rid)
+        yield sse("[DONE]")
+
+    @app.get("/health")
+    async def health() -> Response:
+        reason = tm.dead_reason or tm.check_children()
+        if reason is not None:
+            return error_response(reason, status=503, err_type="ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+
+        async def probe() -> None:
+            async for _ in tm.generate_request(obj):
+                pass
+
+        try:
+            await asyncio.wait_for(probe(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response(
+                f"the one-token probe did not finish within {HEALTH_GENERATE_TIMEOUT_S:.0f} s",
+                status=503, err_type="ServiceUnavailableError",
+            )
+        return Response(status_code=200)
+
+    def model_info() -> dict[str, Any]:
+        return {
+            "model_path": args.model_path,
+            "tokenizer_path": args.tokenizer_path or args.model_path,
+            "served_model_name": served_name,
+            "is_generation": True,
+            "context_length": tm.context_len,
+            "vocab_size": tm.vocab_size,
+            "speculative_algorithm": args.speculative_algorithm,
+            "speculative_draft_model_path": args.speculative_draft_model_path,
+        }
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> JSONResponse:
+        return JSONResponse(model_info())
+
+    @app.get("/model_info")
+    async def model_info_route() -> JSONResponse:
+        return JSONResponse(model_info())
+
+    async def _server_info() -> JSONResponse:
+        state = await tm.get_internal_state()
+        return JSONResponse(json.loads(json.dumps(server_info(runtime, state), default=str)))
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> JSONResponse:
+        return await _server_info()
+
+    @app.get("/server_info")
+    async def server_info_route() -> JSONResponse:
+        return await _server_info()
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await read_json_body(request)
+        if isinstance(body, Response):
+            return body
+        parsed = parse_model(AbortRequest, body)
+        if isinstance(parsed, Response):
+            return parsed
+        if parsed.abort_all:
+            for rid in list(tm.rid_to_state):
+                tm.abort_request(rid)
+        elif parsed.rid:
+            tm.abort_request(parsed.rid)
+        else:
+            return error_response("give 'rid' or 'abort_all': true", param="rid")
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        out = await tm.flush_cache()
+        if out.success:
+            return JSONResponse({"success": True, "message": "Cache flushed."})
+        return error_response(f"cache not flushed: {out.message}")
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        if metrics is None:
+            return error_response("metrics are off; start the server with --enable-metrics", status=404, err_type="NotFoundError")
+        try:
+            state = await tm.get_internal_state(timeout=5.0)
+        except (TimeoutError, EngineDeadError) as e:
+            logger.warning("metrics: no scheduler state (%s)", e)
+            state = {}
+        body, content_type = metrics.render(state, num_waiting_front_end=len(tm.rid_to_state))
+        return Response(body, media_type=content_type)
+
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    return app
+
+
+def describe_serving(args: ServerArgs) -> str:
+    """One log line saying what is served."""
+    spec = (
+        f" with {args.speculative_algorithm} draft {args.speculative_draft_model_path}"
+        if args.speculative_algorithm else " without speculative decoding"
+    )
+    return f"serving model {args.model_path}{spec} on http://{args.host}:{args.port}"
+
+
+def launch_server(server_args: ServerArgs, *, scheduler_entry: Any = None) -> int:
+    """Start the subprocesses and serve HTTP until stopped; the exit status (1 if a process died)."""
+    import uvicorn
+
+    try:
+        runtime = launch_subprocesses(server_args, scheduler_entry=scheduler_entry)
+    except LaunchError as e:
+        logger.error("start-up failed: %s", e)
+        return 1
+    exit_status = 0
+    try:
+        app = create_app(runtime)
+        config = uvicorn.Config(
+            app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
+            timeout_keep_alive=5, access_log=False,
+        )
+        server = uvicorn.Server(config)
+
+        def on_dead(reason: str) -> None:
+            nonlocal exit_status
+            logger.error("shutting the server down: %s", reason)
+            exit_status = 1
+            server.should_exit = True
+
+        async def serve() -> None:
+            watcher = asyncio.create_task(runtime.tokenizer_manager.watch_children(on_dead))
+            logger.info(describe_serving(server_args))
+            try:
+                await server.serve()
+            finally:
+                watcher.cancel()
+
+        # uvicorn re-raises a captured SIGTERM after its shutdown; turning it into SystemExit lets the
+        # `finally` below stop the subprocesses instead of leaving them to their parent watchdogs.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        asyncio.run(serve())
+    finally:
+        runtime.shutdown()
+    return exit_status
+
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)

@@ -1,0 +1,228 @@
+"""Shared request pipeline of the OpenAI endpoints: parse -> validate -> convert -> respond.
+
+Every failure a client can cause becomes HTTP 400 with the OpenAI-style error body; a dead engine is
+503. Streams are SSE (``data: {...}`` lines, then ``data: [DONE]``); a stream whose client goes away
+aborts its requests, and a non-streaming request races the handler against the client's disconnect.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from sglite.srt.entrypoints.openai.protocol import error_body
+from sglite.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from sglite.srt.managers.tokenizer_manager import EngineDeadError, RequestValidationError, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+# HTTP status nginx uses for "client closed request"; the client never sees it.
+STATUS_CLIENT_CLOSED = 499
+
+
+def error_response(message: str, *, param: Optional[str] = None, status: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
+    """An OpenAI-style error response."""
+    return JSONResponse(error_body(message, err_type=err_type, param=param, code=status), status_code=status)
+
+
+def validation_error_message(e: ValidationError) -> tuple[str, Optional[str]]:
+    """One readable line (and the offending field) from a pydantic ValidationError."""
+    parts, param = [], None
+    for err in e.errors()[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        param = param or (str(err["loc"][0]) if err.get("loc") else None)
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "invalid request: " + "; ".join(parts), param
+
+
+async def read_json_body(request: Request) -> Union[dict[str, Any], JSONResponse]:
+    """The request body as a JSON object, or a 400 response saying why it is not one."""
+    content_type = request.headers.get("content-type", "")
+    if content_type and "json" not in content_type.lower():
+        return error_response(f"unsupported content type {content_type!r}; send application/json")
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return error_response(f"the request body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        return error_response(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_model(model_cls: type[BaseModel], body: dict[str, Any]) -> Union[BaseModel, JSONResponse]:
+    """Validate body into model_cls, or a 400 response naming the bad field."""
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        message, param = validation_error_message(e)
+        return error_response(message, param=param)
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run work, cancelling it if the client disconnects first (its generators then abort)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return Response(status_code=STATUS_CLIENT_CLOSED)
+
+
+def sse(data: Union[dict[str, Any], str]) -> str:
+    """One server-sent event line."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+class OpenAIServingBase(abc.ABC):
+    """validate -> convert -> respond, shared by chat and completions."""
+
+    request_model: type[BaseModel]
+
+    def __init__(self, tokenizer_manager: TokenizerManager, served_model_name: str, model_aliases: tuple[str, ...] = ()) -> None:
+        self.tm = tokenizer_manager
+        self.served_model_name = served_model_name
+        self.model_names = {served_model_name, *model_aliases}
+
+    @abc.abstractmethod
+    def convert(self, req: Any) -> GenerateReqInput:
+        """Build the engine request (raise RequestValidationError for bad content)."""
+
+    @abc.abstractmethod
+    async def respond_full(self, req: Any, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> Response:
+        """Non-streaming response."""
+
+    @abc.abstractmethod
+    def stream_chunks(self, req: Any, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> AsyncIterator[str]:
+        """SSE lines of a streaming response (without the final [DONE])."""
+
+    # Shared pipeline.
+    async def handle(self, request: Request) -> Response:
+        """Parse, validate and answer one HTTP request."""
+        body = await read_json_body(request)
+        if isinstance(body, Response):
+            return body
+        req = parse_model(self.request_model, body)
+        if isinstance(req, Response):
+            return req
+        if req.model not in self.model_names:
+            return error_response(
+                f"The model `{req.model}` does not exist; this server serves `{self.served_model_name}`.",
+                param="model",
+            )
+        try:
+            self.check_unsupported(req)
+            obj = self.convert(req)
+            tokenized = self.tm.tokenize_request(obj, fill_context=True)
+        except RequestValidationError as e:
+            return error_response(str(e), param=_openai_param(e.param))
+        except EngineDeadError as e:
+            return error_response(str(e), status=503, err_type="ServiceUnavailableError")
+        if req.stream:
+            return StreamingResponse(self._sse(req, obj, tokenized), media_type="text/event-stream")
+        return await run_until_disconnect(request, self._full(req, obj, tokenized))
+
+    async def _full(self, req: Any, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> Response:
+        try:
+            return await self.respond_full(req, obj, tokenized)
+        except EngineDeadError as e:
+            return error_response(str(e), status=503, err_type="ServiceUnavailableError")
+
+    async def _sse(self, req: Any, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> AsyncIterator[str]:
+        try:
+            async for line in self.stream_chunks(req, obj, tokenized):
+                yield line
+        except EngineDeadError as e:
+            yield sse({"error": error_body(str(e), err_type="ServiceUnavailableError", code=503)})
+        finally:
+            # Whatever ended the stream (disconnect, cancellation), no request may keep its slots.
+            for t in tokenized:
+                if t.rid in self.tm.rid_to_state:
+                    self.tm.abort_request(t.rid)
+        yield sse("[DONE]")
+
+    def check_unsupported(self, req: Any) -> None:
+        """Reject options this server does not implement (instead of silently ignoring them)."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(req, name, None)
+            if v is not None and v != 0:
+                raise RequestValidationError(f"{name} is not supported by this server; omit it or send 0", name)
+        rp = getattr(req, "repetition_penalty", None)
+        if rp is not None and rp != 1:
+            raise RequestValidationError("repetition_penalty is not supported by this server; omit it or send 1", "repetition_penalty")
+
+    def sampling_params(self, req: Any, max_new_tokens: Optional[int]) -> dict[str, Any]:
+        """The SamplingParams dict of an OpenAI request (None values mean 'server default')."""
+        return {
+            "max_new_tokens": max_new_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "min_p": req.min_p,
+            "stop": req.stop,
+            "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos,
+            "skip_special_tokens": req.skip_special_tokens,
+            "seed": req.seed,
+            "n": req.n,
+        }
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        """OpenAI usage object (with cached prompt tokens)."""
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        }
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        """A response id."""
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def now() -> int:
+        """Unix seconds."""
+        return int(time.time())
+
+
+def finish_reason_str(reason: Optional[dict[str, Any]]) -> Optional[str]:
+    """OpenAI finish_reason from ours: stop | length | abort."""
+    if reason is None:
+        return None
+    return str(reason.get("type"))
+
+
+def _openai_param(param: Optional[str]) -> Optional[str]:
+    return {"max_new_tokens": "max_tokens"}.get(param or "", param)
+
