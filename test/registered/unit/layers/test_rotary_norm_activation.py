@@ -1,0 +1,86 @@
+"""Rotary (default, llama3), RMSNorm and SiluAndMul against transformers' own implementations."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglite.srt.layers.activation import SiluAndMul
+from sglite.srt.layers.layernorm import RMSNorm
+from sglite.srt.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding, get_rope
+
+SUITE = "unit-cpu"
+EST_TIME = 6
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def hf_rope_reference(config, q, k, positions):
+    """transformers' LlamaRotaryEmbedding + apply_rotary_pos_emb on [1, H, T, D] tensors."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    rope = LlamaRotaryEmbedding(config)
+    cos, sin = rope(q, positions[None])
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+])
+def test_rotary_matches_transformers(rope_parameters):
+    from transformers import LlamaConfig
+
+    heads, kv, hd, t = 4, 2, 32, 11
+    config = LlamaConfig(hidden_size=heads * hd, num_attention_heads=heads, num_key_value_heads=kv,
+                         max_position_embeddings=4096, rope_parameters=rope_parameters)
+    positions = torch.tensor([0, 1, 2, 7, 63, 64, 100, 500, 1000, 2000, 4000])
+    q, k = rand(t, heads, hd), rand(t, kv, hd, seed=1)
+    scaling = None if rope_parameters["rope_type"] == "default" else rope_parameters
+    rope = get_rope(hd, hd, 4096, rope_parameters["rope_theta"], scaling)
+    assert isinstance(rope, Llama3RotaryEmbedding if scaling else RotaryEmbedding)
+    q2, k2 = rope(positions, q.reshape(t, -1), k.reshape(t, -1))
+    ref_q, ref_k = hf_rope_reference(config, q.transpose(0, 1)[None], k.transpose(0, 1)[None], positions)
+    torch.testing.assert_close(q2.reshape(t, heads, hd), ref_q[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k2.reshape(t, kv, hd), ref_k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_llama3_inv_freq_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072, rope_parameters=params)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = get_rope(128, 128, 131072, 500000.0, params).inv_freq
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+
+
+def test_unsupported_rope_type_is_a_clear_error():
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        get_rope(64, 64, 4096, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="missing"):
+        get_rope(64, 64, 4096, 10000.0, {"rope_type": "llama3", "factor": 8.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_transformers(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x, res, w = rand(7, 64).to(dtype), rand(7, 64, seed=1).to(dtype), rand(64, seed=2).to(dtype)
+    ref = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    ref.weight.data.copy_(w)
+    ours = RMSNorm(64, eps=1e-6, params_dtype=dtype)
+    ours.weight.weight_loader(ours.weight, w)
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+    normed, new_res = ours(x, res)
+    torch.testing.assert_close(new_res, x + res, rtol=0, atol=0)
+    torch.testing.assert_close(normed, ref(x + res), rtol=0, atol=0)
+
+
+def test_silu_and_mul():
+    x = rand(5, 2 * 24)
+    torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :24]) * x[:, 24:], rtol=0, atol=0)
