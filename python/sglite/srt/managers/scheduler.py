@@ -21,11 +21,10 @@ at the first slots); the scheduler keeps what the finish conditions allow and fr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence, Union
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -51,6 +50,10 @@ from sglite.srt.mem_cache.radix_cache import RadixCache
 from sglite.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+# How long rank 0 waits for input while idle before it broadcasts an empty batch to its TP peers
+# (keeps their blocking broadcast well inside --dist-timeout).
+IDLE_POLL_MS = 1000
 
 
 class ModelWorker(Protocol):
@@ -560,14 +563,120 @@ class Scheduler:
             raise TypeError(f"scheduler got an unknown message type {type(msg).__name__}")
         return None
 
+    # ================================================================== process loop
+    def event_loop(self, recv_sock: Any, send_sock: Any, tp_group: Any) -> None:
+        """Forever: drain pending messages (rank 0, broadcast to TP peers), handle them, step, send."""
+        import zmq
 
-def memory_plan_dict(config: Any) -> dict[str, Any]:
-    """A MemoryPoolConfig-like dataclass as a plain dict (empty for None)."""
-    if config is None:
-        return {}
-    if dataclasses.is_dataclass(config):
-        return {k: v for k, v in dataclasses.asdict(config).items() if isinstance(v, (int, float, str, bool, type(None), list, dict))}
-    return dict(config)
+        while True:
+            msgs: list[Any] = []
+            if recv_sock is not None:
+                if recv_sock.poll(0 if self.has_work() else IDLE_POLL_MS):
+                    while True:
+                        try:
+                            msgs.append(recv_sock.recv_pyobj(flags=zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+            if tp_group is not None:
+                msgs = tp_group.broadcast_object(msgs if recv_sock is not None else None, src=0)
+            for msg in msgs:
+                reply = self.handle(msg)
+                if reply is not None and send_sock is not None:
+                    send_sock.send_pyobj(reply)
+            if self.has_work():
+                for out in self.step():
+                    if send_sock is not None:
+                        send_sock.send_pyobj(out)
 
 
-Msg = Union[TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq, HealthCheckReq]
+# ====================================================================== process entry
+def resolve_eos_token_ids(model_path: Optional[str], model_config: Any, tokenizer: Any) -> list[int]:
+    """EOS ids as SGLang gathers them: config.json, generation_config.json, and the tokenizer's eos."""
+    import json
+    import os
+
+    ids: list[int] = list(getattr(model_config, "eos_token_id", None) or [])
+    gen_path = os.path.join(model_path, "generation_config.json") if model_path else None
+    if gen_path and os.path.exists(gen_path):
+        with open(gen_path) as f:
+            gen_eos = json.load(f).get("eos_token_id")
+        ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(tok_eos, int):
+        ids.append(tok_eos)
+    return sorted(set(int(i) for i in ids))
+
+
+def create_model_worker(
+    server_args: ServerArgs, *, rank: int = 0, world_size: int = 1, dist_init_method: Optional[str] = None
+) -> Any:
+    """The worker for --speculative-algorithm: DFlashWorker for DFLASH/DSPARK, else TpModelWorker."""
+    algo = server_args.speculative_algorithm
+    if algo in ("DFLASH", "DSPARK"):
+        from sglite.srt.speculative.dflash_worker import create_dflash_worker
+
+        return create_dflash_worker(server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method)
+    if algo is not None:
+        raise ValueError(f"--speculative-algorithm {algo} is not served by sglite's scheduler; use DFLASH or DSPARK")
+    from sglite.srt.managers.tp_worker import TpModelWorker
+
+    return TpModelWorker.create(server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method)
+
+
+def _target_runner(worker: Any) -> Any:
+    return getattr(worker, "model_runner", None) or getattr(worker, "target_runner")
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, world_size: int, pipe_writer: Any) -> None:
+    """Process entry of one scheduler rank: build the worker, report ready on the pipe, serve forever.
+
+    Rank 0 pulls requests from the TokenizerManager and pushes outputs to the detokenizer; with TP the
+    other ranks receive rank 0's messages by broadcast and run the same schedule in lockstep.
+    """
+    import traceback
+
+    import zmq
+
+    from sglite.srt.managers.detokenizer_manager import load_tokenizer
+    from sglite.srt.managers.io_struct import SchedulerInitError, SchedulerReady
+    from sglite.srt.managers.subprocess_watchdog import watch_parent
+
+    watch_parent()
+    logging.basicConfig(
+        level=getattr(logging, str(server_args.log_level).upper(), logging.INFO),
+        format=f"[scheduler {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        worker = create_model_worker(
+            server_args, rank=rank, world_size=world_size, dist_init_method=port_args.dist_init_method
+        )
+        runner = _target_runner(worker)
+        tokenizer_path = server_args.tokenizer_path or server_args.model_path
+        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+        eos = resolve_eos_token_ids(server_args.model_path, runner.model_config, tokenizer)
+        scheduler = Scheduler(server_args, worker, tokenizer=tokenizer, eos_token_ids=eos)
+        ready = SchedulerReady(
+            max_total_num_tokens=int(worker.max_total_num_tokens),
+            max_running_requests=scheduler.max_running_requests,
+            context_len=scheduler.context_len,
+            vocab_size=int(runner.model_config.vocab_size),
+            memory_plan=worker.memory_plan(),
+        )
+    except BaseException as e:  # report start-up failures to the launcher, then exit non-zero
+        pipe_writer.send(SchedulerInitError(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
+        raise
+    recv_sock = send_sock = None
+    if rank == 0:
+        ctx = zmq.Context()
+        recv_sock = ctx.socket(zmq.PULL)
+        recv_sock.bind(port_args.scheduler_input_ipc_name)
+        send_sock = ctx.socket(zmq.PUSH)
+        send_sock.connect(port_args.detokenizer_ipc_name)
+    pipe_writer.send(ready)
+    pipe_writer.close()
+    tp_group = None
+    if world_size > 1:
+        from sglite.srt.distributed.parallel_state import get_tp_group
+
+        tp_group = get_tp_group()
+    scheduler.event_loop(recv_sock, send_sock, tp_group)

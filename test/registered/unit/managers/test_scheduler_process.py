@@ -1,0 +1,112 @@
+"""run_scheduler_process over real ZMQ sockets with a tiny model: ready message, generation equal to
+transformers, abort, internal state (free slots back to the initial count), flush, health."""
+
+import multiprocessing as mp
+import shutil
+
+import pytest
+import torch
+import zmq
+
+from sglite.srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    HealthCheckOutput,
+    HealthCheckReq,
+    PortArgs,
+    SchedulerInitError,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from sglite.srt.managers.scheduler import run_scheduler_process
+from sglite.srt.sampling.sampling_params import SamplingParams
+from sglite.srt.server_args import ServerArgs
+from sglite.testing.tiny_models import build_tiny_model, load_hf_model
+
+SUITE = "unit-cpu"
+EST_TIME = 40
+
+PROMPTS = [[5, 17, 300, 41, 7, 99], [100, 200, 300, 400, 12, 13, 14, 15, 16], [42]]
+MAX_NEW = 10
+
+
+def _req(rid, ids, max_new=MAX_NEW, stream=False):
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    return TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=ids, sampling_params=sp, stream=stream)
+
+
+@pytest.mark.timeout(240)
+def test_scheduler_process_end_to_end(tmp_path):
+    torch.set_num_threads(1)
+    model_dir = build_tiny_model(str(tmp_path / "m"), "qwen3", seed=1, eos_token_id=None)
+    hf = load_hf_model(model_dir)
+    with torch.no_grad():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
+    args = ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=2).validate()
+    port_args = PortArgs.create(args)
+    ctx = zmq.Context()
+    detok = ctx.socket(zmq.PULL)
+    detok.bind(port_args.detokenizer_ipc_name)
+    mpctx = mp.get_context("spawn")
+    reader, writer = mpctx.Pipe(duplex=False)
+    proc = mpctx.Process(target=run_scheduler_process, args=(args, port_args, 0, 1, writer), daemon=True)
+    proc.start()
+    writer.close()
+    try:
+        assert reader.poll(180), "scheduler did not report ready"
+        ready = reader.recv()
+        assert not isinstance(ready, SchedulerInitError), ready.traceback
+        assert isinstance(ready, SchedulerReady) and ready.vocab_size == 512 and ready.max_total_num_tokens > 0
+        send = ctx.socket(zmq.PUSH)
+        send.connect(port_args.scheduler_input_ipc_name)
+
+        def recv(kind, timeout_ms=60_000):
+            assert detok.poll(timeout_ms), f"no {kind.__name__} from the scheduler"
+            msg = detok.recv_pyobj()
+            assert isinstance(msg, kind), msg
+            return msg
+
+        for i, p in enumerate(PROMPTS):
+            send.send_pyobj(_req(f"r{i}", p, stream=(i == 0)))
+        send.send_pyobj(_req("long", [9] * 20, max_new=400))
+        got: dict = {}
+        finished: dict = {}
+        while len(finished) < len(PROMPTS):
+            out = recv(BatchTokenIDOut)
+            for j, rid in enumerate(out.rids):
+                got[rid] = got.get(rid, []) + out.output_ids[j]
+                if out.finished_reasons[j] is not None:
+                    finished[rid] = out.finished_reasons[j]
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+        send.send_pyobj(AbortReq(rid="long"))
+        while "long" not in finished:
+            out = recv(BatchTokenIDOut)
+            for j, rid in enumerate(out.rids):
+                if out.finished_reasons[j] is not None:
+                    finished[rid] = out.finished_reasons[j]
+        assert finished["long"]["type"] == "abort"
+
+        send.send_pyobj(GetInternalStateReq())
+        state = recv(GetInternalStateReqOutput).internal_state
+        assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0
+        assert state["available_kv_slots"] + state["tree_cache_size"] == state["initial_free_slots"]
+        assert state["memory_plan"]["max_total_num_tokens"] == ready.max_total_num_tokens
+        send.send_pyobj(FlushCacheReq())
+        assert recv(FlushCacheReqOutput).success
+        send.send_pyobj(GetInternalStateReq())
+        state = recv(GetInternalStateReqOutput).internal_state
+        assert state["available_kv_slots"] == state["initial_free_slots"]
+        send.send_pyobj(HealthCheckReq(rid="h1"))
+        assert recv(HealthCheckOutput).rid == "h1"
+    finally:
+        proc.kill()
+        proc.join(5)
+        ctx.destroy(linger=0)
+        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
