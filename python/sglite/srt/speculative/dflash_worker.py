@@ -42,6 +42,27 @@ class DFlashStepStats:
     draft_ids: list[list[int]]  # the B-1 drafts per request
 
 
+def create_dflash_worker(
+    server_args: Any, *, rank: int = 0, world_size: int = 1, dist_init_method: Optional[str] = None
+) -> "DFlashWorker":
+    """Build the target runner, the draft runner (sharing its allocator and req->token table) and the worker."""
+    from sglite.srt.model_executor.model_runner import ModelRunner
+
+    if server_args.speculative_algorithm not in ("DFLASH", "DSPARK"):
+        raise ValueError(f"create_dflash_worker needs --speculative-algorithm DFLASH or DSPARK, got {server_args.speculative_algorithm!r}")
+    target = ModelRunner(server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method)
+    draft = ModelRunner(server_args, is_draft=True, target_runner=target)
+    algo = draft.model_config.draft.algorithm if draft.model_config.draft is not None else None
+    if algo != server_args.speculative_algorithm:
+        raise ValueError(
+            f"--speculative-algorithm {server_args.speculative_algorithm} but the draft checkpoint is a {algo} draft "
+            f"(architectures {draft.model_config.architectures})"
+        )
+    return DFlashWorker(
+        target, draft, block_size=server_args.speculative_num_draft_tokens, random_seed=server_args.random_seed
+    )
+
+
 class DFlashWorker:
     """Runs target + block-diffusion draft; implements ``forward_prefill`` / ``forward_decode``."""
 
@@ -90,7 +111,14 @@ class DFlashWorker:
         plan = target_runner.memory_pool_config
         self.max_total_num_tokens = int(plan.max_total_num_tokens)
         self.max_running_requests = int(plan.max_running_requests)
-        self.context_len = int(context_len if context_len is not None else self.target_model.config.max_position_embeddings)
+        # A decode step writes B slots past the K/V length, so rows need B - 1 columns beyond the context.
+        row_cols = int(self.req_to_token_pool.req_to_token.shape[1])
+        self.context_len = int(context_len) if context_len is not None else row_cols - self.block_size + 1
+        if self.context_len + self.block_size - 1 > row_cols:
+            raise ValueError(
+                f"context length {self.context_len} + block {self.block_size} - 1 exceeds the req_to_token "
+                f"rows ({row_cols} columns); lower --context-length"
+            )
         self.num_decode_tokens_per_req = self.block_size
         self.sampler = Sampler(seed=random_seed)
         self._verify_generator = torch.Generator(device=self.device).manual_seed(random_seed)

@@ -1,0 +1,191 @@
+"""DFLASH decoding end to end through the scheduler: lossless against the `dflash` reference.
+
+Greedy: output ids equal `dflash.model.dflash_generate`, target-only greedy decoding and a re-run
+of the reference loop that reports per-step acceptance lengths, which must equal ours step by step.
+The draft is trained here for a few seconds so acceptance is high but partial.
+"""
+
+import contextlib
+import time
+
+import pytest
+import torch
+
+from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
+from sglite.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglite.srt.managers.scheduler import Scheduler
+from sglite.srt.sampling.sampling_params import SamplingParams
+from sglite.srt.runtime_context import ParallelState, scoped
+from sglite.srt.server_args import ServerArgs
+from sglite.srt.speculative.dflash_worker import create_dflash_worker
+from sglite.testing.tiny_dflash import (
+    build_tiny_target,
+    load_reference_pair,
+    random_prompts,
+    reference_block_generate,
+    train_tiny_draft,
+)
+
+SUITE = "unit-cpu"
+EST_TIME = 90
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp("dflash_worker")
+    target_dir = build_tiny_target(str(d / "target"), seed=0)
+    tr = train_tiny_draft(str(d / "draft"), target_dir, steps=300, seed=0)
+    target, draft = load_reference_pair(target_dir, tr.draft_dir)
+    return target_dir, tr, target, draft
+
+
+def spec_args(target_dir, draft_dir, **kw):
+    base = dict(
+        model_path=target_dir,
+        speculative_algorithm="DFLASH",
+        speculative_draft_model_path=draft_dir,
+        dtype="float32",
+        device="cpu",
+        cpu_kv_cache_budget_mb=4,
+        context_length=256,
+        max_running_requests=16,
+        schedule_policy="fcfs",
+    )
+    base.update(kw)
+    return ServerArgs(**base).validate()
+
+
+@contextlib.contextmanager
+def spec_scheduler(target_dir, draft_dir, **kw):
+    """A Scheduler over a DFlashWorker on a one-rank runtime (torn down afterwards)."""
+    args = spec_args(target_dir, draft_dir, **kw)
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            worker = create_dflash_worker(args)
+            yield Scheduler(args, worker), worker
+        finally:
+            destroy_parallel_runtime()
+
+
+class Run:
+    """Per-rid output ids, tokens per message (the first is the prefill token) and the last message fields."""
+
+    def __init__(self):
+        self.ids: dict[str, list[int]] = {}
+        self.steps: dict[str, list[int]] = {}
+        self.verify_ct: dict[str, int] = {}
+        self.cached: dict[str, int] = {}
+        self.finish: dict[str, object] = {}
+
+
+def generate(scheduler: Scheduler, prompts, params: list[SamplingParams], rid_prefix="r") -> Run:
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        scheduler.add_request(TokenizedGenerateReqInput(rid=f"{rid_prefix}{i}", input_text=None, input_ids=list(p), sampling_params=sp, stream=True))
+    run = Run()
+    for _ in range(10000):
+        if not scheduler.has_work():
+            break
+        for msg in scheduler.step():
+            for j, rid in enumerate(msg.rids):
+                new = msg.output_ids[j]
+                run.ids.setdefault(rid, []).extend(new)
+                if new:
+                    run.steps.setdefault(rid, []).append(len(new))
+                run.verify_ct[rid] = msg.spec_verify_ct[j]
+                run.cached[rid] = msg.cached_tokens[j]
+                run.finish[rid] = msg.finished_reasons[j]
+    assert not scheduler.has_work()
+    return run
+
+
+def greedy(max_new, **kw):
+    return SamplingParams(max_new_tokens=max_new, temperature=0.0, **kw)
+
+
+@torch.no_grad()
+def target_greedy(target, prompt, max_new):
+    if max_new == 0:
+        return []
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_reference_rerun_equals_dflash_generate(trained):
+    """The loop re-run that reports per-step lengths is the package's loop (outputs and full-block steps)."""
+    import dflash.model as dm
+
+    _, tr, target, draft = trained
+    dm._cuda_time = time.perf_counter  # return_stats synchronises CUDA otherwise (platform notes §9)
+    for prompt in tr.prompts[:3]:
+        ids, lens = reference_block_generate(draft, target, prompt, 21)
+        stats = dm.dflash_generate(draft, target, torch.tensor([prompt]), 21, None, return_stats=True)
+        assert ids == stats.output_ids[0, len(prompt):].tolist()
+        # dflash_generate shrinks the final block to the remaining budget; every other step is a full block.
+        full = len(stats.acceptance_lengths) - 1
+        assert lens[:full] == stats.acceptance_lengths[:full]
+
+
+def test_greedy_batch_of_8_matches_reference_per_step(trained):
+    target_dir, tr, target, draft = trained
+    # 4 prompts on the trajectories the draft was trained on (high acceptance), extended by 0..3 of
+    # their own greedy tokens so lengths differ, + 4 unseen prompts (acceptance ~1).
+    prompts = [p + target_greedy(target, p, i) for i, p in enumerate(tr.prompts[:4])]
+    prompts += random_prompts(4, seed=7, min_len=3, max_len=14)
+    max_new = 23
+    with spec_scheduler(target_dir, tr.draft_dir) as (sched, worker):
+        assert worker.block_size == BLOCK and worker.num_decode_tokens_per_req == BLOCK
+        run = generate(sched, prompts, [greedy(max_new)] * len(prompts))
+    all_steps = []
+    for i, p in enumerate(prompts):
+        ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new)
+        import dflash.model as dm
+
+        pkg = dm.dflash_generate(draft, target, torch.tensor([p]), max_new, None)[0, len(p):].tolist()
+        ours = run.ids[f"r{i}"]
+        assert ours == ref_ids == pkg == target_greedy(target, p, max_new), f"prompt {i}"
+        assert run.steps[f"r{i}"][0] == 1  # the prefill token
+        assert run.steps[f"r{i}"][1:] == ref_lens, f"prompt {i}: per-step acceptance lengths"
+        assert run.verify_ct[f"r{i}"] == len(ref_lens)
+        all_steps += ref_lens
+    mean = sum(all_steps) / len(all_steps)
+    assert 1.4 < mean < BLOCK, f"acceptance should be high but partial, got mean {mean}"
+    assert max(all_steps) == BLOCK and min(all_steps) == 1
+
+
+def test_stop_token_and_max_tokens_inside_a_block(trained):
+    target_dir, tr, target, draft = trained
+    prompt = tr.prompts[5]
+    full = target_greedy(target, prompt, 30)
+    stop_tok = full[9]
+    first = full.index(stop_tok)
+    with spec_scheduler(target_dir, tr.draft_dir) as (sched, _):
+        run = generate(sched, [prompt, tr.prompts[6]], [greedy(30, stop_token_ids=[stop_tok]), greedy(13)])
+    ref_stop, ref_stop_lens = reference_block_generate(draft, target, prompt, 30, stop_token_ids=[stop_tok])
+    assert run.ids["r0"] == full[: first + 1] == ref_stop
+    assert run.steps["r0"][1:] == ref_stop_lens
+    assert run.finish["r0"]["type"] == "stop"
+    ref13, lens13 = reference_block_generate(draft, target, tr.prompts[6], 13)
+    assert run.ids["r1"] == ref13 and len(ref13) == 13
+    assert run.steps["r1"][1:] == lens13
+    assert run.finish["r1"]["type"] == "length"
+
+
+def test_radix_prefix_keeps_draft_kv_valid(trained):
+    """A second request whose prompt extends a finished one reuses its cached slots (target + draft KV)."""
+    target_dir, tr, target, draft = trained
+    base = tr.prompts[7]
+    with spec_scheduler(target_dir, tr.draft_dir) as (sched, _):
+        first = generate(sched, [base], [greedy(12)], rid_prefix="a")
+        extended = base + first.ids["a0"][:8]  # a prefix that the cache holds with K/V
+        second = generate(sched, [extended], [greedy(16)], rid_prefix="b")
+    assert second.cached["b0"] >= len(base)
+    ref_ids, ref_lens = reference_block_generate(draft, target, extended, 16)
+    assert second.ids["b0"] == ref_ids
+    assert second.steps["b0"][1:] == ref_lens
+    # The same request without a cache agrees.
+    with spec_scheduler(target_dir, tr.draft_dir, disable_radix_cache=True) as (sched, _):
+        nc = generate(sched, [extended], [greedy(16)], rid_prefix="c")
+    assert nc.ids["c0"] == second.ids["b0"] and nc.cached["c0"] == 0
