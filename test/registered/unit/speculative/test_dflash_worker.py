@@ -189,3 +189,49 @@ def test_radix_prefix_keeps_draft_kv_valid(trained):
     with spec_scheduler(target_dir, tr.draft_dir, disable_radix_cache=True) as (sched, _):
         nc = generate(sched, [extended], [greedy(16)], rid_prefix="c")
     assert nc.ids["c0"] == second.ids["b0"] and nc.cached["c0"] == 0
+
+
+def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value over cells with expected count >= 5 (the rest pooled into one cell)."""
+    n = observed.sum().double()
+    expected = expected_probs.double() * n
+    keep = expected >= 5
+    obs = torch.cat([observed.double()[keep], (n - observed.double()[keep].sum()).reshape(1)])
+    exp = torch.cat([expected[keep], (n - expected[keep].sum()).reshape(1)])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+@pytest.mark.timeout(600)
+def test_sampling_temperature_1_matches_target_distribution(trained):
+    """Over many seeds the first two generated tokens follow the target-only distribution (chi-square)."""
+    target_dir, tr, target, _ = trained
+    prompt = tr.prompts[0]
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        seqs = torch.cat([torch.tensor([prompt]).expand(p1.numel(), -1), torch.arange(p1.numel())[:, None]], dim=1)
+        p2_given_1 = torch.softmax(target(seqs).logits[:, -1].double(), -1)
+    p2 = p1 @ p2_given_1  # marginal of the second generated token
+
+    n = 1500
+    with spec_scheduler(target_dir, tr.draft_dir, max_running_requests=64, cpu_kv_cache_budget_mb=16) as (sched, worker):
+        accepted = []
+        orig = worker.forward_decode
+
+        def recording(batch):
+            out = orig(batch)
+            accepted.extend(worker.last_step.accept_lens)
+            return out
+
+        worker.forward_decode = recording
+        params = [SamplingParams(max_new_tokens=2, temperature=1.0, seed=1000 + i) for i in range(n)]
+        run = generate(sched, [prompt] * n, params)
+    first = torch.tensor([run.ids[f"r{i}"][0] for i in range(n)])
+    second = torch.tensor([run.ids[f"r{i}"][1] for i in range(n)])
+    assert chi_square_pvalue(torch.bincount(first, minlength=p1.numel()), p1) > 1e-3
+    assert chi_square_pvalue(torch.bincount(second, minlength=p2.numel()), p2) > 1e-3
+    # Both verification paths ran: some first drafts were accepted and some rejected.
+    first_draft_accepted = sum(1 for a in accepted if a >= 1)
+    assert 0 < first_draft_accepted < len(accepted)
