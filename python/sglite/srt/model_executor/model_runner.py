@@ -9,42 +9,30 @@ builds only its own KV pool, of its own geometry, at the target's ``max_total_nu
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
-from sglite.srt.configs.model_config import AttentionKind, ModelConfig
+from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import init_parallel_runtime
 from sglite.srt.distributed.parallel_state import get_tp_group
 from sglite.srt.layers.attention.registry import create_attention_backend
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.layers.sampler import Sampler
-from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglite.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype, kv_dtype_bytes
-from sglite.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglite.srt.mem_cache.kv_cache_configurator import (
+    KVCacheConfigurator,
+    build_pools,
+    get_free_device_memory,
+    min_across_group,
+)
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, build_forward_batch
+from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import resolve_spec_aux_hidden_state
 from sglite.srt.model_loader.loader import load_model, resolve_dtype
 from sglite.srt.runtime_context import get_parallel
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-_MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class _InterimPoolPlan:
-    """TEMPORARY stand-in for kv_cache_configurator.MemoryPoolConfig (same field names) until it lands."""
-
-    max_total_num_tokens: int
-    max_running_requests: int
-    target_cell_bytes: int
-    draft_cell_bytes: int
-    budget_bytes: int
-    page_size: int
-    max_context_len: int
 
 
 class ModelRunner:
@@ -100,31 +88,47 @@ class ModelRunner:
                 target_model.get_embed_tokens(), target_model.get_lm_head(), target_model.logits_processor
             )
 
-        # 4-5. Draft capture / KV price, then the pool plan; then the pools.
+        # 4. What the target captures for its draft, and the draft's exact KV price (live attn_tp width).
+        # 5. The pool plan, then the pools (a draft reuses the target's plan, allocator and request table).
         if is_draft:
             self.spec_aux_config = target_runner.spec_aux_config
-            self.memory_pool_config = target_runner.memory_pool_config
-            self.req_to_token_pool = target_runner.req_to_token_pool
-            self.token_to_kv_pool_allocator = target_runner.token_to_kv_pool_allocator
-            self.kv_cache_dtype = self._draft_kv_dtype()
+            self.memory_pool_config = KVCacheConfigurator(
+                server_args,
+                self.model_config,
+                self.spec_aux_config,
+                model_dtype=self.dtype,
+                is_draft=True,
+                target_memory_pool_config=target_runner.memory_pool_config,
+                device=str(self.device),
+            ).configure()
+            pools = build_pools(
+                self.memory_pool_config,
+                self.model_config,
+                device=str(self.device),
+                is_draft=True,
+                target_pools=target_runner.kv_pools,
+            )
+            self.kv_cache_dtype = self.memory_pool_config.draft_kv_cache_dtype
         else:
-            from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
-                resolve_spec_aux_hidden_state,
+            self.spec_aux_config = resolve_spec_aux_hidden_state(server_args, self.model_config, model_dtype=self.dtype)
+            configurator = KVCacheConfigurator(
+                server_args, self.model_config, self.spec_aux_config, model_dtype=self.dtype, device=str(self.device)
             )
-
-            self.spec_aux_config = resolve_spec_aux_hidden_state(
-                server_args, self.model_config, model_dtype=self.dtype
-            )
-            self.kv_cache_dtype = configure_kv_cache_dtype(
-                server_args.kv_cache_dtype, self.model_config, model_dtype=self.dtype
-            )
-            self.memory_pool_config = self._interim_pool_plan()
-            plan = self.memory_pool_config
-            self.req_to_token_pool = ReqToTokenPool(plan.max_running_requests, plan.max_context_len, self.device)
-            self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
-                plan.max_total_num_tokens, plan.page_size, self.device
-            )
-        self.token_to_kv_pool = self._build_kv_pool()
+            tp_group = get_tp_group()
+            if self.device.type == "cuda":
+                self.memory_pool_config = configurator.configure(
+                    pre_model_load_free_bytes=self._free_bytes_before_load,
+                    post_model_load_free_bytes=get_free_device_memory(str(self.device)),
+                    tp_group=tp_group,
+                )
+            else:
+                self.memory_pool_config = configurator.configure(tp_group=tp_group)
+            pools = build_pools(self.memory_pool_config, self.model_config, device=str(self.device))
+            self.kv_cache_dtype = self.memory_pool_config.kv_cache_dtype
+        self.kv_pools = pools
+        self.token_to_kv_pool = pools.token_to_kv_pool
+        self.req_to_token_pool = pools.req_to_token_pool
+        self.token_to_kv_pool_allocator = pools.token_to_kv_pool_allocator
 
         # 6. Attention backend (CUDA graphs: not yet).
         backend_name = server_args.resolved_attention_backend()
@@ -144,82 +148,7 @@ class ModelRunner:
         """CUDA: free bytes, minimum over the TP group (every rank sizes alike). CPU: None (budget flag)."""
         if self.device.type != "cuda":
             return None
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return min(get_tp_group().all_gather_object(int(free)))
-
-    def _interim_budget_bytes(self) -> int:
-        # TEMPORARY until kv_cache_configurator lands: CPU uses --cpu-kv-cache-budget-mb; CUDA keeps
-        # mem_fraction_static of total memory for weights + KV and gives KV what the weights left.
-        if self.device.type != "cuda":
-            return int(self.server_args.cpu_kv_cache_budget_mb) * _MIB
-        free_after, total = torch.cuda.mem_get_info(self.device)
-        free_after = min(get_tp_group().all_gather_object(int(free_after)))
-        budget = free_after - int(total * (1.0 - self.server_args.mem_fraction_static))
-        if budget <= 0:
-            raise RuntimeError(
-                f"no memory left for the KV cache after loading weights ({free_after / _MIB:.0f} MiB free); "
-                "raise --mem-fraction-static or use a larger device"
-            )
-        return budget
-
-    def _interim_pool_plan(self) -> _InterimPoolPlan:
-        # TEMPORARY: replaced by KVCacheConfigurator.configure() (same formula: DESIGN.md §4).
-        cfg = self.model_config
-        if any(k != AttentionKind.FULL for k in cfg.layer_kinds):
-            raise ValueError(f"{cfg.model_type}: only full-attention models are poolable by this runner yet")
-        page = self.server_args.page_size
-        attn_tp = self.parallel.attn_tp_size
-        target_cell = MHATokenToKVPool.cell_bytes(
-            self.kv_cache_dtype, cfg.get_num_kv_heads(attn_tp), cfg.head_dim, cfg.v_head_dim, cfg.num_hidden_layers
-        )
-        draft_cell = int(self.spec_aux_config.dflash_draft_cell_size_per_token or 0)
-        budget = self._interim_budget_bytes()
-        # The padding page is paid from the same budget.
-        max_total = (budget // (target_cell + draft_cell)) // page * page - page
-        if self.server_args.max_total_tokens is not None:
-            max_total = min(max_total, self.server_args.max_total_tokens // page * page)
-        context_len = self.server_args.context_length or cfg.max_position_embeddings
-        if max_total < page:
-            raise RuntimeError(
-                f"KV budget {budget} bytes holds fewer than one page of {page} tokens at "
-                f"{target_cell + draft_cell} bytes/token; raise --cpu-kv-cache-budget-mb / --mem-fraction-static"
-            )
-        max_running = self.server_args.max_running_requests or max(1, min(256, max_total // 16))
-        return _InterimPoolPlan(
-            max_total_num_tokens=max_total,
-            max_running_requests=max_running,
-            target_cell_bytes=target_cell,
-            draft_cell_bytes=draft_cell,
-            budget_bytes=budget,
-            page_size=page,
-            max_context_len=context_len,
-        )
-
-    def _draft_kv_dtype(self) -> torch.dtype:
-        aux = self.spec_aux_config
-        if aux is not None and aux.draft_kv_cache_dtype is not None:
-            return aux.draft_kv_cache_dtype
-        return configure_kv_cache_dtype(
-            self.server_args.kv_cache_dtype,
-            self.model_config,
-            is_draft=True,
-            draft_override=self.server_args.speculative_draft_kv_cache_dtype,
-            model_dtype=self.dtype,
-        )
-
-    def _build_kv_pool(self) -> MHATokenToKVPool:
-        cfg = self.model_config
-        attn_tp = self.parallel.attn_tp_size
-        return MHATokenToKVPool(
-            self.memory_pool_config.max_total_num_tokens,
-            self.memory_pool_config.page_size,
-            self.kv_cache_dtype,
-            cfg.get_num_kv_heads(attn_tp),
-            cfg.head_dim,
-            cfg.v_head_dim,
-            cfg.num_hidden_layers,
-            self.device,
-        )
+        return min_across_group(get_free_device_memory(str(self.device)), get_tp_group())
 
     # ------------------------------------------------------------------ running
     def build_forward_batch(
