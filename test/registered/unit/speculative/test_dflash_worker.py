@@ -235,3 +235,33 @@ def test_sampling_temperature_1_matches_target_distribution(trained):
     # Both verification paths ran: some first drafts were accepted and some rejected.
     first_draft_accepted = sum(1 for a in accepted if a >= 1)
     assert 0 < first_draft_accepted < len(accepted)
+
+
+def _tp_rank_main(rank: int, world_size: int, init_method: str, target_dir: str, draft_dir: str, prompts, max_new):
+    args = spec_args(target_dir, draft_dir, tp_size=world_size)
+    worker = create_dflash_worker(args, rank=rank, world_size=world_size, dist_init_method=init_method)
+    run = generate(Scheduler(args, worker), prompts, [greedy(max_new)] * len(prompts))
+    attn = worker.draft_model.layers[0].self_attn
+    return {
+        "ids": run.ids,
+        "steps": run.steps,
+        "draft_local_heads": (attn.num_heads, attn.num_kv_heads),
+        "draft_pool_heads": worker.draft_runner.token_to_kv_pool.head_num,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_greedy_tp2_matches_reference(trained):
+    from sglite.srt.distributed.local_launch import run_local_ranks
+
+    target_dir, tr, target, draft = trained
+    prompts = [tr.prompts[1], tr.prompts[2] + target_greedy(target, tr.prompts[2], 2)] + random_prompts(1, seed=3)
+    max_new = 17
+    results = run_local_ranks(_tp_rank_main, 2, target_dir, tr.draft_dir, prompts, max_new, timeout_s=240)
+    for res in results:
+        assert res["draft_local_heads"] == (2, 1) and res["draft_pool_heads"] == 1  # sharded over 2 ranks
+        for i, p in enumerate(prompts):
+            ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new)
+            assert res["ids"][f"r{i}"] == ref_ids
+            assert res["steps"][f"r{i}"][1:] == ref_lens
+    assert any(max(res["steps"][f"r{i}"][1:]) > 1 for i in range(len(prompts)) for res in results)
