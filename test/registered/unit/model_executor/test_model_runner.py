@@ -1,0 +1,120 @@
+"""ModelRunner wiring: pools from the memory plan, draft runner sharing, batch building, sampling, errors."""
+
+import pytest
+import torch
+
+from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
+from sglite.srt.model_executor.forward_batch_info import ForwardMode
+from sglite.srt.model_executor.model_runner import ModelRunner
+from sglite.srt.runtime_context import ParallelState, scoped
+from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglite.srt.sampling.sampling_params import SamplingParams
+from sglite.srt.server_args import ServerArgs
+from sglite.testing.tiny_dflash import TinyDraftSpec, build_tiny_dflash_draft, build_tiny_target
+from sglite.testing.tiny_models import build_tiny_model, load_hf_model
+
+SUITE = "unit-cpu"
+EST_TIME = 15
+
+
+@pytest.fixture()
+def rank0():
+    torch.set_num_threads(1)
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            yield
+        finally:
+            destroy_parallel_runtime()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("m")), "qwen3", seed=5, with_tokenizer=False, eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def dflash_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    target = build_tiny_target(str(d / "target"), seed=0)
+    draft = build_tiny_dflash_draft(str(d / "draft"), target, seed=1, spec=TinyDraftSpec(block_size=4))
+    return target, draft
+
+
+def test_pools_follow_the_memory_plan(model_dir, rank0):
+    args = ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=1, page_size=4).validate()
+    runner = ModelRunner(args)
+    plan = runner.memory_pool_config
+    assert plan.max_total_num_tokens > 0 and plan.max_total_num_tokens % 4 == 0
+    # 2 layers x 2 KV heads x (16 + 16) x 4 bytes per token.
+    assert plan.target_cell_bytes == 2 * 2 * 32 * 4
+    assert runner.token_to_kv_pool.size == plan.max_total_num_tokens
+    assert runner.token_to_kv_pool_allocator.available_size() == plan.max_total_num_tokens
+    assert runner.token_to_kv_pool.head_num == 2 and runner.token_to_kv_pool.layer_num == 2
+    assert plan.planned_total_bytes() <= 1 << 20
+    assert runner.spec_aux_config.has_draft is False
+    assert runner.dtype == torch.float32 and runner.device == torch.device("cpu")
+
+
+def test_sample_and_forward_batch_helper(model_dir, rank0):
+    runner = ModelRunner(ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=1).validate())
+    hf = load_hf_model(model_dir)
+    rows = runner.req_to_token_pool.alloc(2)
+    prompts = [[1, 2, 3, 4], [9, 8]]
+    batch = runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)])
+    assert batch.positions.tolist() == [0, 1, 2, 3, 0, 1]
+    assert batch.seq_lens_cpu == [4, 2] and batch.extend_prefix_lens_cpu == [0, 0]
+    table = runner.req_to_token_pool.req_to_token
+    assert table[rows[0], :4].tolist() == batch.out_cache_loc[:4].tolist()
+    logits = runner.forward(batch).next_token_logits
+    greedy = runner.sample(logits, SamplingBatchInfo.from_sampling_params([SamplingParams(temperature=0.0)] * 2, 512))
+    with torch.no_grad():
+        want = [int(hf(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
+    assert greedy.tolist() == want
+    sampled = runner.sample(logits, SamplingBatchInfo.from_sampling_params([SamplingParams(top_k=3)] * 2, 512))
+    top3 = logits.topk(3, dim=-1).indices
+    assert all(int(s) in top3[i].tolist() for i, s in enumerate(sampled))
+
+
+def test_exhausted_pool_and_bad_batches_are_clear_errors(model_dir, rank0):
+    args = ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=1, max_total_tokens=32).validate()
+    runner = ModelRunner(args)
+    assert runner.memory_pool_config.max_total_num_tokens == 32
+    row = runner.req_to_token_pool.alloc(1)[0]
+    with pytest.raises(RuntimeError, match="KV pool exhausted"):
+        runner.build_forward_batch(ForwardMode.EXTEND, [(row, 0, list(range(40)))])
+    with pytest.raises(ValueError, match="DECODE takes exactly one"):
+        runner.build_forward_batch(ForwardMode.DECODE, [(row, 0, [1, 2])])
+    with pytest.raises(ValueError, match="a draft ModelRunner needs target_runner"):
+        ModelRunner(args, is_draft=True)
+
+
+def test_draft_runner_shares_allocator_and_table(dflash_pair, rank0):
+    target_dir, draft_dir = dflash_pair
+    args = ServerArgs(
+        model_path=target_dir, device="cpu", cpu_kv_cache_budget_mb=1,
+        speculative_algorithm="DFLASH", speculative_draft_model_path=draft_dir,
+    ).validate()
+    target = ModelRunner(args)
+    assert list(target.spec_aux_config.target_layer_ids) == [1, 2]
+    assert target.memory_pool_config.draft_cell_bytes == 2 * 2 * 32 * 4  # 2 draft layers, 2 KV heads, fp32
+    draft = ModelRunner(args, is_draft=True, target_runner=target)
+    assert draft.memory_pool_config is target.memory_pool_config
+    assert draft.token_to_kv_pool_allocator is target.token_to_kv_pool_allocator
+    assert draft.req_to_token_pool is target.req_to_token_pool
+    assert draft.token_to_kv_pool is not target.token_to_kv_pool
+    assert draft.token_to_kv_pool.layer_num == 2 and target.token_to_kv_pool.layer_num == 4
+    assert draft.token_to_kv_pool.size == target.token_to_kv_pool.size
+    assert draft.model.get_embed_tokens() is target.model.get_embed_tokens()
+    assert draft.model.get_lm_head() is target.model.get_lm_head()
+
+    # Target prefill with aux capture at the draft's layers; a draft block then runs on the shared slots.
+    row = target.req_to_token_pool.alloc(1)[0]
+    prompt = [5, 6, 7, 8, 9]
+    out = target.forward(
+        target.build_forward_batch(ForwardMode.EXTEND, [(row, 0, prompt)], capture_aux_hidden_layers=[1, 2])
+    )
+    assert out.aux_hidden_states.shape == (5, 2 * 64)
+    block = draft.build_forward_batch(ForwardMode.DRAFT_BLOCK, [(row, 0, [5, 511, 511, 511])])
+    assert draft.forward(block).next_token_logits.shape == (4, 512)
+    with pytest.raises(ValueError, match="another runner's pool"):
+        target.forward(block)
