@@ -149,6 +149,7 @@ def server_info(runtime: LaunchedRuntime, internal_state: dict[str, Any]) -> dic
         "memory_plan": runtime.scheduler_info.memory_plan,
         "max_total_num_tokens": runtime.scheduler_info.max_total_num_tokens,
         "internal_states": [internal_state],
+        "process_pids": {name: proc.pid for name, proc in runtime.processes},
     }
 
 
@@ -245,6 +246,10 @@ class Engine:
         if self._runtime is None:
             return
         runtime, self._runtime = self._runtime, None
+        task = runtime.tokenizer_manager._handle_task
+        if task is not None and not task.done():
+            task.cancel()
+            self._loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
         runtime.shutdown()
         self._loop.close()
         atexit.unregister(self.shutdown)

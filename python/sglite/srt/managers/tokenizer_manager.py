@@ -173,7 +173,8 @@ class TokenizerManager:
                 "max_tokens",
             )
         capacity = self.scheduler_info.max_total_num_tokens
-        if n_in + params.max_new_tokens > capacity:
+        page = max(1, int(getattr(self.server_args, "page_size", 1) or 1))
+        if -(-(n_in + params.max_new_tokens) // page) * page > capacity:
             raise RequestValidationError(
                 f"The request needs {n_in + params.max_new_tokens} KV tokens but the server's KV pool holds "
                 f"{capacity}; reduce the prompt or max_tokens (or raise the server's memory budget).",
