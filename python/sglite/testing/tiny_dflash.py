@@ -294,3 +294,56 @@ def reference_block_generate(
         _crop_to(tcache, start)
         hidden = extract_context_feature(vo.hidden_states, draft.target_layer_ids)[:, : len(new)]
     return tokens[n_in:], lengths
+
+
+def load_sglite_draft(draft_dir: str, hf_target):
+    """Load a DFLASH/DSPARK draft with sglite's loader (fp32, CPU) and attach the HF target's embedding and head.
+
+    Needs a published one-rank parallel runtime (the layers resolve the TP group).
+    """
+    from sglite.srt.configs.model_config import ModelConfig
+    from sglite.srt.layers.logits_processor import LogitsProcessor
+    from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from sglite.srt.model_loader.loader import load_model
+
+    cfg = ModelConfig.from_path(draft_dir)
+    model = load_model(cfg, draft_dir, torch.device("cpu"), torch.float32, show_progress=False)
+    vocab, hidden = hf_target.config.vocab_size, hf_target.config.hidden_size
+    embed = VocabParallelEmbedding(vocab, hidden, params_dtype=torch.float32)
+    embed.weight_loader(embed.weight, hf_target.get_input_embeddings().weight.detach())
+    head = ParallelLMHead(vocab, hidden, params_dtype=torch.float32)
+    head.weight_loader(head.weight, hf_target.lm_head.weight.detach())
+    model.attach_target_head(embed, head, LogitsProcessor(vocab))
+    return model
+
+
+def draft_block_forward(model, contexts: list, anchors: list[int], *, pool_size: int = 256):
+    """Run one DRAFT_BLOCK forward of ``model`` over per-request context features; returns (output, forward batch).
+
+    ``contexts[i]`` is a ``[n_i, K*H]`` feature tensor written as context K/V at positions ``0..n_i-1``.
+    """
+    from sglite.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglite.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglite.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
+
+    cfg = model.config
+    block = model.block_size
+    allocator = PagedTokenToKVPoolAllocator(pool_size, 1, "cpu")
+    req_pool = ReqToTokenPool(len(contexts) + 1, max(c.shape[0] for c in contexts) + block + 1, "cpu")
+    pool = MHATokenToKVPool(
+        pool_size, 1, torch.float32, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, cfg.num_hidden_layers, "cpu"
+    )
+    rows = req_pool.alloc(len(contexts))
+    for row, feats in zip(rows, contexts):
+        n = feats.shape[0]
+        slots = allocator.alloc(n)
+        req_pool.req_to_token[row, :n] = slots.to(req_pool.req_to_token.dtype)
+        model.write_context_kv(feats, torch.arange(n), slots, pool)
+    backend = TorchNativeAttnBackend()
+    reqs = [(row, c.shape[0], [a] + [model.mask_token_id] * (block - 1)) for row, c, a in zip(rows, contexts, anchors)]
+    fb = build_forward_batch(
+        ForwardMode.DRAFT_BLOCK, reqs, req_to_token_pool=req_pool, token_to_kv_pool=pool, allocator=allocator, attn_backend=backend
+    )
+    backend.init_forward_metadata(fb)
+    return model(fb.input_ids, fb.positions, fb), fb

@@ -11,6 +11,8 @@ _MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("sglite.srt.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("sglite.srt.models.qwen3", "Qwen3ForCausalLM"),
     "DFlashDraftModel": ("sglite.srt.models.dflash", "DFlashDraftModel"),
+    "DSparkDraftModel": ("sglite.srt.models.dspark", "DSparkDraftModel"),
+    "Qwen3DSparkModel": ("sglite.srt.models.dspark", "DSparkDraftModel"),
 }
 
 
