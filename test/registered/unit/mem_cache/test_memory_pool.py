@@ -145,3 +145,18 @@ def test_hybrid_linear_pool_bytes(device):
     assert pool.get_key_buffer(3).shape[0] == 17
     with pytest.raises(ValueError):
         HybridLinearKVPool(MHATokenToKVPool(16, 1, torch.bfloat16, 2, 8, 8, 1, device, layer_ids=[0]), st)
+
+
+def test_swa_allocator_extend_keeps_page_offsets_in_both_pools():
+    p = _swa(page=4, full=32, swa=16)
+    a = SWATokenToKVPoolAllocator(32, 16, 4, "cpu", p.full_to_swa_index_mapping)
+    first = a.alloc_extend([0], [6], [-1])
+    swa = p.translate_loc_to_swa(first)
+    assert (first % 4).tolist() == (swa % 4).tolist() == [0, 1, 2, 3, 0, 1]
+    nxt = a.alloc_extend([6], [7], [int(first[-1])])  # fills the tail of the last page in both pools
+    assert int(nxt[0]) == int(first[-1]) + 1
+    assert int(p.translate_loc_to_swa(nxt)[0]) == int(swa[-1]) + 1
+    dec = a.alloc_decode([8], [int(nxt[0])])
+    assert int(dec[0]) == int(nxt[0]) + 1
+    a.free(torch.cat([first, nxt, dec]))
+    assert a.full_available_size() == 32 and a.swa_available_size() == 16

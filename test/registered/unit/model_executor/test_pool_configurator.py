@@ -251,3 +251,50 @@ def test_eagle_with_other_kv_dtype_is_refused():
         aux = _aux("EAGLE", mc, _eagle_draft(mc), speculative_draft_kv_cache_dtype="fp8_e4m3")
         with pytest.raises(MemoryPlanError, match="dtype"):
             DefaultPoolConfigurator(_inputs(mc, aux))
+
+
+# ---------------------------------------------------------------- property: any geometry, any topology
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from sglite.srt.mem_cache.kv_cache_configurator import KVPools  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layers=st.integers(4, 64),  # the DFlash capture rule needs >= 4 target layers
+    kv=st.sampled_from([1, 2, 4, 8, 16, 32]),
+    hd=st.sampled_from([64, 128, 256]),
+    draft_kv=st.sampled_from([1, 2, 4, 8, 16]),
+    draft_layers=st.integers(1, 8),
+    topo=st.sampled_from([(1, 1, False, 1), (8, 1, False, 1), (16, 16, True, 1), (16, 4, True, 2), (4, 2, True, 1)]),
+    page=st.sampled_from([1, 16, 64]),
+    kv_dtype=st.sampled_from([torch.bfloat16, torch.float8_e4m3fn, torch.float32]),
+    budget_mib=st.integers(64, 100 * 1024),
+    ctx=st.sampled_from([512, 4096, 32768]),
+)
+def test_property_plan_fits_fills_and_builds_exactly(layers, kv, hd, draft_kv, draft_layers, topo, page, kv_dtype,
+                                                     budget_mib, ctx):
+    tp, dp, dpa, cp = topo
+    mc = _gqa(layers=layers, kv=kv, hd=hd)
+    draft = _draft(kv=draft_kv, layers=draft_layers, target_layers=layers)
+    budget = budget_mib << 20
+    with _Topology(tp=tp, dp=dp, dpa=dpa, cp=cp, rank=tp - 1) as par:
+        aux = _aux("DFLASH", mc, draft)
+        conf = DefaultPoolConfigurator(_inputs(mc, aux, page=page, dtype=kv_dtype, ctx=ctx))
+        w = par.attn_tp_size
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
+        assert conf.draft_cell_bytes() == max(1, draft_kv // w) * 256 * draft_layers * 2  # draft dtype: bf16
+        assert conf.target_cell_bytes() == max(1, kv // w) * 2 * hd * layers * elem
+        try:
+            plan = conf.solve(budget)
+        except MemoryPlanError:
+            # Only a budget below one page (plus the request table) may be refused.
+            assert budget < conf.plan_for_tokens(2 * page).total_bytes()
+            return
+        total = plan.total_bytes()
+        assert total <= budget and plan.max_total_num_tokens % page == 0
+        assert conf.plan_for_tokens(plan.max_total_num_tokens + page).total_bytes() > budget
+        built = KVPools(plan.build_target_kv_pool("meta"), plan.build_req_to_token_pool("meta")).allocated_bytes()
+        built["draft_kv"] = plan.build_draft_kv_pool("meta").nbytes()
+        assert built == {p.name: p.planned_bytes for p in plan.planned_pools()}
