@@ -77,6 +77,7 @@ class AttnPoolGeometry:
 
     @property
     def num_layers(self) -> int:
+        """Layers this pool holds."""
         return len(self.layer_ids)
 
     def cell_bytes(self) -> int:
