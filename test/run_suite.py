@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -180,6 +181,21 @@ def print_table(results: Sequence[FileResult]) -> None:
     print(f"{len(results)} files, {total:.1f} s")
 
 
+def write_json(path: str, results: Sequence[FileResult], label: str, ok: bool) -> None:
+    """Per-file results as JSON (used by scripts/gpu_check.sh)."""
+    payload = {
+        "selection": label,
+        "ok": ok,
+        "files": [
+            {"path": r.file.path, "suite": r.file.suite, "status": r.status, "seconds": round(r.seconds, 2),
+             "est_time": r.file.est_time, **r.counts}
+            for r in results
+        ],
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -190,6 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--root", default=DEFAULT_ROOT, help="directory of registered tests")
     parser.add_argument("--fail-fast", action="store_true", help="stop after the first failing file")
     parser.add_argument("--file-timeout", type=float, default=None, help="seconds per file (default max(300, 10 x EST_TIME))")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the per-file results as JSON here")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
@@ -222,6 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             break
     print_table(results)
     bad = [r for r in results if r.status not in ("passed", "filtered")]
+    if args.json_out:
+        write_json(args.json_out, results, label, ok=not bad)
     if bad:
         print(f"FAILED ({label}): " + ", ".join(f"{r.file.path} [{r.status}]" for r in bad))
         return 1

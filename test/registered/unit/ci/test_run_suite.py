@@ -100,7 +100,11 @@ def test_main_runs_files_and_reports_failures(tmp_path, capsys):
 def test_main_exit_statuses(tmp_path, capsys):
     root = tmp_path / "registered"
     _write(root, "test_pass.py", 'SUITE = "e2e-cpu"\nEST_TIME = 1\ndef test_a():\n    pass\ndef test_b():\n    pass\n')
-    assert run_suite.main(["--suite", "e2e-cpu", "--root", str(root)]) == 0
+    report = tmp_path / "results.json"
+    assert run_suite.main(["--suite", "e2e-cpu", "--root", str(root), "--json", str(report)]) == 0
+    data = __import__("json").loads(report.read_text())
+    assert data["ok"] is True
+    assert [(f["path"], f["status"], f["passed"]) for f in data["files"]] == [("registered/test_pass.py", "passed", 2)]
     # A -k filter that deselects everything is not a failure.
     assert run_suite.main(["--suite", "e2e-cpu", "--root", str(root), "--", "-k", "nothing_matches"]) == 0
     # An empty partition is not a failure either.
