@@ -38,18 +38,25 @@ class PagedTokenToKVPoolAllocator:
         """Return every page to the free list (pages 1..num_pages; page 0 is padding)."""
         # Bookkeeping stays on CPU: sizes are needed in Python anyway, and meta tensors hold no values.
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+        # Freed pages wait here and are merged only when an allocation needs them: a free is then
+        # O(pages freed), not a copy of the whole free list.
+        self._released: list[torch.Tensor] = []
+        self._num_released = 0
         self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
         self._page_is_free[0] = False
 
     # ------------------------------------------------------------------ queries
     def available_size(self) -> int:
         """Free slots (whole free pages × page_size)."""
-        return int(self._free_pages.numel()) * self.page_size
+        return (int(self._free_pages.numel()) + self._num_released) * self.page_size
 
     def _out(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.device.type == "cpu" else idx.to(self.device)
 
     def _take_pages(self, k: int) -> Optional[torch.Tensor]:
+        if k > self._free_pages.numel() and self._released:
+            self._free_pages = torch.cat([self._free_pages, *self._released])
+            self._released, self._num_released = [], 0
         if k > self._free_pages.numel():
             return None
         pages = self._free_pages[:k]
@@ -134,7 +141,8 @@ class PagedTokenToKVPoolAllocator:
         if bool(self._page_is_free[pages].any()):
             raise ValueError("free(): a page being freed is already free (double free)")
         self._page_is_free[pages] = True
-        self._free_pages = torch.cat([self._free_pages, pages])
+        self._released.append(pages)
+        self._num_released += int(pages.numel())
 
 
 class SWATokenToKVPoolAllocator:
