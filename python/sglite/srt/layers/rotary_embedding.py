@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Optional
 
@@ -20,18 +21,26 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.max_position_embeddings = max_position_embeddings
         self.base = base
-        # Not a checkpoint tensor: derived from the config, so it is a non-persistent buffer.
+        # Not checkpoint tensors: derived from the config, so non-persistent buffers. cos/sin are
+        # precomputed for every position (one gather per layer at run time); elementwise, so each row
+        # equals computing that position on the fly.
         self.register_buffer("inv_freq", self._compute_inv_freq(), persistent=False)
+        cos, sin = self._angles(torch.arange(max_position_embeddings, device=self.inv_freq.device))
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def _compute_inv_freq(self) -> torch.Tensor:
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / self.rotary_dim
         return 1.0 / (self.base**exponents)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [T, rotary_dim] (fp32) for the given positions."""
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [T, rotary_dim] (fp32) for positions < max_position_embeddings."""
+        return self.cos_cache[positions], self.sin_cache[positions]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D]; rotate-half form of the complex rotation on the first rotary_dim features.
@@ -87,6 +96,9 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         return torch.where(is_medium, smoothed, scaled)
 
 
+_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+
+
 def get_rope(
     head_size: int,
     rotary_dim: int,
@@ -94,7 +106,27 @@ def get_rope(
     base: float,
     rope_scaling: Optional[dict[str, Any]] = None,
 ) -> RotaryEmbedding:
-    """The rotary embedding a config asks for; an unsupported ``rope_type`` is a clear error."""
+    """The rotary embedding a config asks for, shared by every layer with the same geometry and device.
+
+    Sharing keeps one cos/sin table per model instead of one per layer. An unsupported ``rope_type``
+    is a clear error.
+    """
+    scaling_key = None if rope_scaling is None else json.dumps(rope_scaling, sort_keys=True, default=str)
+    key = (head_size, rotary_dim, max_position, float(base), scaling_key, str(torch.get_default_device()))
+    rope = _ROPE_CACHE.get(key)
+    if rope is None:
+        rope = _build_rope(head_size, rotary_dim, max_position, base, rope_scaling)
+        _ROPE_CACHE[key] = rope
+    return rope
+
+
+def _build_rope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: Optional[dict[str, Any]],
+) -> RotaryEmbedding:
     if rope_scaling is None:
         return RotaryEmbedding(head_size, rotary_dim, max_position, base)
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))

@@ -84,3 +84,15 @@ def test_rmsnorm_matches_transformers(dtype):
 def test_silu_and_mul():
     x = rand(5, 2 * 24)
     torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :24]) * x[:, 24:], rtol=0, atol=0)
+
+
+def test_rope_is_shared_per_geometry_and_caches_equal_on_the_fly_angles():
+    a = get_rope(16, 16, 128, 10000.0, None)
+    assert get_rope(16, 16, 128, 10000.0, None) is a
+    assert get_rope(16, 16, 128, 5000.0, None) is not a
+    positions = torch.tensor([0, 5, 127])
+    freqs = positions.float()[:, None] * a.inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = a.cos_sin(positions)
+    torch.testing.assert_close(cos, emb.cos(), rtol=0, atol=0)
+    torch.testing.assert_close(sin, emb.sin(), rtol=0, atol=0)
