@@ -3,6 +3,7 @@ split-K decode kernels from ``triton_ops``. On CPU it runs only under ``TRITON_I
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -34,6 +35,11 @@ class TritonForwardMetadata:
     max_extend_len: int = 0
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def choose_num_kv_splits(batch_size: int, num_kv_heads: int, group: int, device: torch.device) -> int:
     """Decode split count: enough programs to fill the GPU, a power of two (few kernel variants), ≤ 16.
 
@@ -43,19 +49,31 @@ def choose_num_kv_splits(batch_size: int, num_kv_heads: int, group: int, device:
     if INTERPRET or device.type != "cuda":
         return 2
     programs_per_split = batch_size * num_kv_heads * triton.cdiv(group, decode_block_h(group))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(2 * sms, max(1, programs_per_split))
+    want = triton.cdiv(2 * _num_sms(device), max(1, programs_per_split))
     return min(MAX_KV_SPLITS, triton.next_power_of_2(want))
 
 
 class TritonAttnBackend(AttentionBackend):
-    """Attention over the paged KV pool with the kernels in ``triton_ops``."""
+    """Attention over the paged KV pool with the kernels in ``triton_ops``.
+
+    CUDA graphs: metadata lives in persistent buffers updated in place (``q_start``) and decode scratch
+    is cached per batch size, so a graph captured for a batch size replays correctly after
+    ``init_forward_metadata`` refreshes them; call ``reserve(max_batch_size)`` before capturing so no
+    buffer is reallocated afterwards. A captured extend-family graph bakes in its block size (grid).
+    """
 
     def __init__(self, runner: Any = None, num_kv_splits: Optional[int] = None) -> None:
         self.runner = runner
         self.fixed_num_kv_splits = num_kv_splits
         self.metadata: Optional[TritonForwardMetadata] = None
         self._decode_scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._q_start_buf: Optional[torch.Tensor] = None
+
+    def reserve(self, max_batch_size: int, device: Optional[torch.device] = None) -> None:
+        """Allocate the persistent metadata buffers for up to ``max_batch_size`` requests."""
+        dev = torch.device(device if device is not None else getattr(self.runner, "device", "cpu"))
+        if self._q_start_buf is None or self._q_start_buf.numel() < max_batch_size or self._q_start_buf.device != dev:
+            self._q_start_buf = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Exclusive cumsum of new-token counts (q offsets) and the longest extend, once per batch."""
@@ -64,9 +82,13 @@ class TritonAttnBackend(AttentionBackend):
             self.metadata = TritonForwardMetadata(mode=name)
             return
         extend_lens = forward_batch.extend_seq_lens
-        q_start = torch.zeros_like(extend_lens)
-        if extend_lens.numel() > 1:
-            q_start[1:] = torch.cumsum(extend_lens[:-1], dim=0)
+        bs = extend_lens.numel()
+        self.reserve(bs, extend_lens.device)
+        q_start = self._q_start_buf[:bs]  # type: ignore[index]
+        # Exclusive cumsum, written in place so captured graphs read the refreshed values.
+        q_start[:1].zero_()
+        if bs > 1:
+            q_start[1:].copy_(torch.cumsum(extend_lens[:-1], dim=0))
         max_extend = max(cpu_list(forward_batch.extend_seq_lens_cpu, extend_lens), default=0)
         self.metadata = TritonForwardMetadata(mode=name, q_start=q_start, max_extend_len=max_extend)
 

@@ -44,21 +44,26 @@ def build_case(
     head_dim: int,
     v_head_dim: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
+    kv_dtype: Optional[torch.dtype] = None,
     device: str = "cpu",
     seed: int = 0,
     sliding_window: Optional[int] = None,
     layer_id: int = 1,
 ) -> AttnCase:
-    """A random batch with each request's pages scattered over a shared pool (page 0 reserved)."""
+    """A random batch with each request's pages scattered over a shared pool (page 0 reserved).
+
+    ``kv_dtype`` (default: ``dtype``) is the pool's dtype, e.g. an FP8 KV cache under fp16 queries.
+    """
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
     pages_per_req = [-(-s // page_size) for s in seq_lens]
     num_pages = sum(pages_per_req) + 3  # a few spare pages, so the layout is not dense
     size = num_pages * page_size
-    pool = MHATokenToKVPool(size, page_size, dtype, num_kv_heads, head_dim, v_head_dim, layer_num=3, device=device)
+    pool = MHATokenToKVPool(size, page_size, kv_dtype, num_kv_heads, head_dim, v_head_dim, layer_num=3, device=device)
     for buf in (pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)):
-        buf.copy_((torch.rand(buf.shape, generator=gen) * 200 + 100).to(dtype))  # garbage: big, one-signed
+        buf.copy_((torch.rand(buf.shape, generator=gen) * 200 + 100).to(kv_dtype))  # garbage: big, one-signed
     bs = len(seq_lens)
     r2t_pool = ReqToTokenPool(size=bs + 3, max_context_len=max(seq_lens) + 5, device=device)
     rows = (torch.randperm(bs + 3, generator=gen)[:bs] + 1).tolist()

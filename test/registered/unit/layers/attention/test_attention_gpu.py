@@ -44,12 +44,12 @@ def _backend(name: str):
     return FlashInferAttnBackend(SimpleNamespace(device=torch.device("cuda")))
 
 
-def _check(backend_name, mode, page_size, num_kv_heads, group, head_dim, dtype, sliding_window=None, v_head_dim=None):
+def _check(backend_name, mode, page_size, num_kv_heads, group, head_dim, dtype, sliding_window=None, v_head_dim=None, kv_dtype=None):
     from sglite.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     prefix, extend = lens_for(mode)
     kw = dict(page_size=page_size, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, v_head_dim=v_head_dim,
-              dtype=dtype, device="cuda", seed=page_size + group, sliding_window=sliding_window)
+              dtype=dtype, kv_dtype=kv_dtype, device="cuda", seed=page_size + group, sliding_window=sliding_window)
     ref = run_backend(TorchNativeAttnBackend(), build_case(mode, prefix, extend, **kw))
     out = run_backend(_backend(backend_name), build_case(mode, prefix, extend, **kw))
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
@@ -74,6 +74,11 @@ def test_triton_equals_torch_native_cuda(mode, page_size, gqa, head_dim, dtype):
 def test_triton_sliding_window_and_v_head_dim_cuda(mode):
     _check("triton", mode, 16, 2, 4, 128, torch.bfloat16, sliding_window=300)
     _check("triton", mode, 1, 2, 4, 128, torch.bfloat16, v_head_dim=64)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=lambda m: m.name)
+def test_triton_fp8_kv_cache_cuda(mode):
+    _check("triton", mode, 16, 2, 4, 128, torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
 
 
 def test_torch_native_equals_dense_cuda():

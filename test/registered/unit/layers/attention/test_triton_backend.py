@@ -86,3 +86,23 @@ def test_triton_writes_new_kv_and_honours_save_kv_cache_false():
     torch.testing.assert_close(k_buf[case.forward_batch.out_cache_loc].reshape(case.k.shape), case.k)
     case.k = torch.zeros_like(case.k)
     torch.testing.assert_close(run_backend(TritonAttnBackend(), case, save_kv_cache=False), first)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=lambda m: m.name)
+def test_triton_fp8_kv_cache(mode, kv_dtype):
+    """FP8 pools are upcast on load; the reference reads the same quantized values."""
+    check_equal(mode, 16, 1, 4, 64, torch.float16, 9, kv_dtype=kv_dtype)
+
+
+def test_q_start_buffer_is_reused_in_place():
+    """Extend metadata is written into one persistent buffer (what a captured CUDA graph reads)."""
+    backend = TritonAttnBackend()
+    backend.reserve(8)
+    buf = backend._q_start_buf
+    for seed, extend in enumerate(([3, 5, 2], [4, 4])):
+        case = build_case(ForwardMode.TARGET_VERIFY if len(set(extend)) == 1 else ForwardMode.EXTEND, [1] * len(extend), extend,
+                          page_size=1, num_kv_heads=1, group=1, head_dim=16, seed=seed)
+        backend.init_forward_metadata(case.forward_batch)
+        assert backend.metadata.q_start.data_ptr() == buf.data_ptr()
+        assert backend.metadata.q_start.tolist() == [sum(extend[:i]) for i in range(len(extend))]
