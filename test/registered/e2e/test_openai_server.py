@@ -164,6 +164,7 @@ def test_malformed_requests_then_still_correct(server, client, hf_model):
 def test_64_streams_16_cancelled_slots_return(server, hf_model):
     initial = flush_and_free_slots(server)
     assert initial == state(server)["initial_free_slots"]
+    aborted_before = httpx.get(server.base + "/get_server_info", headers=server.headers).json()["front_end"]["num_aborted"]
     prompts = [[100 + i, 3 + i % 7, 50] for i in range(64)]
     cancel = {i for i in range(64) if i % 4 == 0}
 
@@ -200,6 +201,9 @@ def test_64_streams_16_cancelled_slots_return(server, hf_model):
                                     eos_token_id=None, pad_token_id=EOS)[0, 3:].tolist()
             assert results[i]["output_ids"] == ref
     assert flush_and_free_slots(server) == initial
+    front = httpx.get(server.base + "/get_server_info", headers=server.headers).json()["front_end"]
+    assert front["num_aborted"] - aborted_before == len(cancel)  # they really were cut off mid-stream
+    assert front["num_tracked_reqs"] == 0
 
 
 def test_api_key(server):

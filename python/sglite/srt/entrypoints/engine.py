@@ -150,6 +150,11 @@ def server_info(runtime: LaunchedRuntime, internal_state: dict[str, Any]) -> dic
         "max_total_num_tokens": runtime.scheduler_info.max_total_num_tokens,
         "internal_states": [internal_state],
         "process_pids": {name: proc.pid for name, proc in runtime.processes},
+        "front_end": {
+            "num_tracked_reqs": len(runtime.tokenizer_manager.rid_to_state),
+            "num_finished": runtime.tokenizer_manager.num_finished,
+            "num_aborted": runtime.tokenizer_manager.num_aborted,
+        },
     }
 
 
