@@ -265,3 +265,29 @@ def test_greedy_tp2_matches_reference(trained):
             assert res["ids"][f"r{i}"] == ref_ids
             assert res["steps"][f"r{i}"][1:] == ref_lens
     assert any(max(res["steps"][f"r{i}"][1:]) > 1 for i in range(len(prompts)) for res in results)
+
+
+def test_dspark_greedy_is_lossless_and_zeroed_head_equals_dflash(trained, tmp_path):
+    from sglite.testing.tiny_dflash import build_tiny_dspark_draft
+
+    target_dir, tr, target, draft = trained
+    zero_dir = build_tiny_dspark_draft(str(tmp_path / "dspark0"), tr.draft_dir, markov_rank=8, markov_scale=0.0)
+    markov_dir = build_tiny_dspark_draft(str(tmp_path / "dspark"), tr.draft_dir, markov_rank=8, markov_scale=1.0)
+    prompts = [tr.prompts[3], tr.prompts[8] + target_greedy(target, tr.prompts[8], 1)] + random_prompts(1, seed=11)
+    max_new = 19
+    with spec_scheduler(target_dir, zero_dir, speculative_algorithm="DSPARK") as (sched, worker):
+        assert type(worker.draft_model).__name__ == "DSparkDraftModel"
+        zero = generate(sched, prompts, [greedy(max_new)] * len(prompts))
+    with spec_scheduler(target_dir, markov_dir, speculative_algorithm="DSPARK") as (sched, _):
+        markov = generate(sched, prompts, [greedy(max_new)] * len(prompts))
+    for i, p in enumerate(prompts):
+        ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new)
+        assert zero.ids[f"r{i}"] == markov.ids[f"r{i}"] == ref_ids == target_greedy(target, p, max_new)
+        assert zero.steps[f"r{i}"][1:] == ref_lens  # zeroed Markov head: exactly the DFLASH drafts
+
+
+def test_algorithm_must_match_the_draft_checkpoint(trained):
+    target_dir, tr, _, _ = trained
+    with pytest.raises(ValueError, match="DSPARK"):
+        with spec_scheduler(target_dir, tr.draft_dir, speculative_algorithm="DSPARK"):
+            pass
