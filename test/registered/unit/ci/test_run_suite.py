@@ -30,6 +30,10 @@ def test_every_file_in_this_repository_is_registered():
     me = [f for f in files if f.path.endswith("unit/ci/test_run_suite.py")]
     assert me and me[0].suite == "unit-cpu" and me[0].est_time == EST_TIME
     assert {f.suite for f in files} <= set(run_suite.SUITES)
+    # test/registered has no __init__.py files, so plain `pytest` (pyproject testpaths) needs unique basenames.
+    names = [os.path.basename(f.path) for f in files]
+    dupes = sorted({f.path for f in files if names.count(os.path.basename(f.path)) > 1})
+    assert not dupes, f"test files share a basename (plain pytest would fail with 'import file mismatch'): {dupes}"
 
 
 def test_missing_suite_is_an_error_naming_the_file(tmp_path):
