@@ -345,11 +345,18 @@ class Scheduler:
             loc = self._alloc_extend(self.running, [r.kv_len for r in self.running], [r.kv_len + t for r in self.running])
             if loc is not None:
                 break
-            if len(self.running) == 1:
+            if self.chunked_req is not None:  # a half-prefilled prompt yields its slots to decoding requests
+                req, self.chunked_req = self.chunked_req, None
+                self._retract(req)
+            elif len(self.running) == 1:
                 req = self.running[0]
                 self._finish_now(req, finish_abort(self._no_room_message(req)))
                 return
-            self._retract_one()
+            else:
+                # SGLang's choice: fewest generated tokens first, then the longest prompt (frees the most).
+                victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+                self.running.remove(victim)
+                self._retract(victim)
         if not self.running or loc is None:
             return
         reqs = list(self.running)
@@ -395,20 +402,17 @@ class Scheduler:
                     "the req_to_token pool must be sized context_len + num_decode_tokens_per_req"
                 )
 
-    def _retract_one(self) -> None:
-        """Free the KV of the running request with the least progress and requeue it at the front."""
-        # SGLang's choice: fewest generated tokens first, then the longest prompt (frees the most).
-        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-        self.running.remove(victim)
-        self._free_positions(victim, victim.prefix_len, victim.kv_len)
-        self.tree_cache.dec_lock_ref(victim.last_node)
-        self.req_to_token_pool.free(victim.req_pool_idx)
-        victim.reset_kv_state()
-        victim.num_retractions += 1
+    def _retract(self, req: Req) -> None:
+        """Free a request's own KV and its row, unlock its prefix, and requeue it at the front."""
+        self._free_positions(req, req.prefix_len, req.kv_len)
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.reset_kv_state()
+        req.num_retractions += 1
         self.num_retractions += 1
-        self.waiting_queue.insert(0, victim)
+        self.waiting_queue.insert(0, req)
         self.new_token_ratio = self.config.init_new_token_ratio
-        logger.info("retracted request %s (%d running left)", victim.rid, len(self.running))
+        logger.info("retracted request %s (%d running left)", req.rid, len(self.running))
 
     # ================================================================== finish conditions
     def _append_tokens(self, req: Req, tokens: Sequence[int]) -> int:

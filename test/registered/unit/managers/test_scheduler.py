@@ -308,3 +308,19 @@ def test_random_workload_invariants():
             assert ids == ref, rid
     assert s.num_retractions > 0
     _assert_no_leak(s)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_chunked_prompt_yields_slots_to_decoding_request(page_size):
+    """A half-prefilled prompt that filled the pool is retracted (not the lone decoding request aborted)."""
+    w = FakeModelWorker(max_total_num_tokens=40, page_size=page_size, vocab_size=VOCAB)
+    s = _sched(w, chunked_prefill_size=4, config=SchedulerConfig(init_new_token_ratio=0.0, min_new_token_ratio=0.0))
+    a, b = [5, 6, 7, 8], _prompts(1, seed=12, lo=36, hi=36)[0]
+    s.add_request(_req("a", a, max_new=20, ignore_eos=True))
+    s.step()  # a is prefilled and decoding
+    s.add_request(_req("b", b, max_new=4, ignore_eos=True))
+    res = _collect(s.run_until_idle())
+    assert s.num_retractions > 0
+    assert res["a"][0] == reference_generate(a, 20, VOCAB, ignore_eos=True)
+    assert res["b"][0] == reference_generate(b, 4, VOCAB, ignore_eos=True)
+    _assert_no_leak(s)
