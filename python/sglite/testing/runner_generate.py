@@ -59,3 +59,14 @@ def greedy_generate(
         for g, t in zip(generated, next_ids):
             g.append(t)
     return generated
+
+
+def hf_greedy(hf_model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' ``generate(do_sample=False)`` continuations of each prompt, run one prompt at a time."""
+    device = next(hf_model.parameters()).device
+    out = []
+    for p in prompts:
+        ids = torch.tensor([list(p)], device=device)
+        gen = hf_model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+        out.append(gen[0, len(p) :].tolist())
+    return out
