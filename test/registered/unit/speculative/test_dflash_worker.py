@@ -70,6 +70,22 @@ def spec_scheduler(target_dir, draft_dir, **kw):
             destroy_parallel_runtime()
 
 
+@contextlib.contextmanager
+def plain_scheduler(target_dir, **kw):
+    """The same scheduler over the non-speculative TpModelWorker (sglite without a draft)."""
+    from sglite.srt.managers.tp_worker import TpModelWorker
+
+    base = dict(model_path=target_dir, dtype="float32", device="cpu", cpu_kv_cache_budget_mb=4, context_length=256,
+                max_running_requests=16, schedule_policy="fcfs")
+    base.update(kw)
+    args = ServerArgs(**base).validate()
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            yield Scheduler(args, TpModelWorker.create(args))
+        finally:
+            destroy_parallel_runtime()
+
+
 class Run:
     """Per-rid output ids, tokens per message (the first is the prefill token) and the last message fields."""
 
@@ -138,6 +154,8 @@ def test_greedy_batch_of_8_matches_reference_per_step(trained):
     with spec_scheduler(target_dir, tr.draft_dir) as (sched, worker):
         assert worker.block_size == BLOCK and worker.num_decode_tokens_per_req == BLOCK
         run = generate(sched, prompts, [greedy(max_new)] * len(prompts))
+    with plain_scheduler(target_dir) as sched:
+        plain = generate(sched, prompts, [greedy(max_new)] * len(prompts))
     all_steps = []
     for i, p in enumerate(prompts):
         ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new)
@@ -145,7 +163,7 @@ def test_greedy_batch_of_8_matches_reference_per_step(trained):
 
         pkg = dm.dflash_generate(draft, target, torch.tensor([p]), max_new, None)[0, len(p):].tolist()
         ours = run.ids[f"r{i}"]
-        assert ours == ref_ids == pkg == target_greedy(target, p, max_new), f"prompt {i}"
+        assert ours == plain.ids[f"r{i}"] == ref_ids == pkg == target_greedy(target, p, max_new), f"prompt {i}"
         assert run.steps[f"r{i}"][0] == 1  # the prefill token
         assert run.steps[f"r{i}"][1:] == ref_lens, f"prompt {i}: per-step acceptance lengths"
         assert run.verify_ct[f"r{i}"] == len(ref_lens)
