@@ -28,7 +28,7 @@ from sglite.srt.server_args import ServerArgs
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
-EST_TIME = 40
+EST_TIME = 120
 
 PROMPTS = [[5, 17, 300, 41, 7, 99], [100, 200, 300, 400, 12, 13, 14, 15, 16], [42]]
 MAX_NEW = 10
@@ -108,5 +108,59 @@ def test_scheduler_process_end_to_end(tmp_path):
     finally:
         proc.kill()
         proc.join(5)
+        ctx.destroy(linger=0)
+        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+
+
+@pytest.mark.timeout(300)
+def test_scheduler_process_tp2_lockstep(tmp_path):
+    """Two ranks: rank 0 takes requests and broadcasts them; outputs equal transformers."""
+    torch.set_num_threads(1)
+    model_dir = build_tiny_model(str(tmp_path / "m"), "qwen3", seed=2, eos_token_id=None)
+    hf = load_hf_model(model_dir)
+    with torch.no_grad():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
+    args = ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=2, tp_size=2).validate()
+    port_args = PortArgs.create(args)
+    ctx = zmq.Context()
+    detok = ctx.socket(zmq.PULL)
+    detok.bind(port_args.detokenizer_ipc_name)
+    mpctx = mp.get_context("spawn")
+    procs, readers = [], []
+    for rank in range(2):
+        reader, writer = mpctx.Pipe(duplex=False)
+        proc = mpctx.Process(target=run_scheduler_process, args=(args, port_args, rank, 2, writer), daemon=True)
+        proc.start()
+        writer.close()
+        procs.append(proc)
+        readers.append(reader)
+    try:
+        for reader in readers:
+            assert reader.poll(180), "a scheduler rank did not report ready"
+            ready = reader.recv()
+            assert isinstance(ready, SchedulerReady), getattr(ready, "traceback", ready)
+        send = ctx.socket(zmq.PUSH)
+        send.connect(port_args.scheduler_input_ipc_name)
+        for i, p in enumerate(PROMPTS):
+            send.send_pyobj(_req(f"r{i}", p))
+        got: dict = {}
+        done = set()
+        while len(done) < len(PROMPTS):
+            assert detok.poll(120_000), "no output from rank 0"
+            out = detok.recv_pyobj()
+            for j, rid in enumerate(out.rids):
+                got[rid] = got.get(rid, []) + out.output_ids[j]
+                if out.finished_reasons[j] is not None:
+                    done.add(rid)
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+        assert all(p.is_alive() for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.join(5)
         ctx.destroy(linger=0)
         shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
