@@ -309,3 +309,26 @@ def test_algorithm_must_match_the_draft_checkpoint(trained):
     with pytest.raises(ValueError, match="DSPARK"):
         with spec_scheduler(target_dir, tr.draft_dir, speculative_algorithm="DSPARK"):
             pass
+
+
+def test_page_size_4_and_eos_inside_a_block(trained):
+    """Paged KV (rejected slots freed page-wise by the scheduler) and an EOS id hit mid-block."""
+    target_dir, tr, target, draft = trained
+    prompts = [tr.prompts[9], tr.prompts[10] + target_greedy(target, tr.prompts[10], 3)]
+    max_new = 21
+    eos = target_greedy(target, prompts[1], max_new)[11]
+    args = spec_args(target_dir, tr.draft_dir, page_size=4)
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            sched = Scheduler(args, create_dflash_worker(args), eos_token_ids=[eos])
+            free_before = sched.allocator.available_size()
+            run = generate(sched, prompts, [greedy(max_new)] * len(prompts))
+            # Everything the requests held is back in the allocator or the prefix cache.
+            assert sched.allocator.available_size() + sched.tree_cache.total_size() == free_before
+        finally:
+            destroy_parallel_runtime()
+    for i, p in enumerate(prompts):
+        ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new, stop_token_ids=[eos])
+        assert run.ids[f"r{i}"] == ref_ids
+        assert run.steps[f"r{i}"][1:] == ref_lens
+    assert run.finish["r1"]["type"] == "stop"
