@@ -14,6 +14,7 @@ estimate of ``estimate_weight_bytes_per_rank`` (formula in its docstring and doc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -279,6 +280,9 @@ def plan_topology(
 
 # ====================================================================== CLI
 
+# The planner's defaults are the server's, so a plan without flags is the plan `sglite serve` makes.
+_SERVER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of `sglite plan` (server flags keep their SGLang names)."""
@@ -292,11 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")
     p.add_argument("--attn-cp-size", type=int, default=1)
-    p.add_argument("--mem-fraction-static", type=float, default=0.9)
+    p.add_argument("--mem-fraction-static", type=float, default=_SERVER_DEFAULTS["mem_fraction_static"])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="Device to plan for (cpu uses --cpu-kv-cache-budget-mb)")
     p.add_argument("--device-memory-gb", type=float, help="Memory per device in GiB, free before weights load")
-    p.add_argument("--cpu-kv-cache-budget-mb", type=int, default=256)
+    p.add_argument("--cpu-kv-cache-budget-mb", type=int, default=_SERVER_DEFAULTS["cpu_kv_cache_budget_mb"])
     p.add_argument("--weights-gb", type=float, help="Weights per rank in GiB (default: estimated from the config)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)

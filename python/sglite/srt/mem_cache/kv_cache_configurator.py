@@ -113,6 +113,11 @@ class MemoryPoolConfig:
         if self.max_total_num_tokens <= 0:
             raise MemoryPlanError("Not enough memory: the plan has no KV tokens; raise the memory budget")
 
+    @property
+    def max_context_len(self) -> int:
+        """Columns of the request→token table (context length plus speculative/page slack)."""
+        return self.req_to_token_context_len
+
     def planned_pools(self) -> list[PlannedPool]:
         """Every allocation of the plan with its exact bytes."""
         return self.plan.planned_pools()
