@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig
-from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_tp_group, get_tp_group
+from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_tp_group
 from sglite.srt.layers.activation import SiluAndMul
 from sglite.srt.layers.attention.radix_attention import RadixAttention
 from sglite.srt.layers.layernorm import RMSNorm
@@ -22,6 +22,23 @@ from sglite.srt.layers.rotary_embedding import get_rope
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch
 from sglite.srt.model_loader.weight_utils import WeightLoadingError, load_named_weights
+from sglite.srt.runtime_context import get_parallel
+
+
+def model_tp_group() -> GroupCoordinator:
+    """The group a Llama-family model is sharded over: the attention-TP group.
+
+    Without DP attention it is the whole TP group. With DP attention each attention-DP group runs a
+    full model replica sharded over its attn_tp ranks (MLP and vocab included), so the requests of one
+    DP group never need another group's tokens; the KV plan prices pools at attn_tp either way.
+    Attention context parallelism (sequence split over ranks) is not implemented: a clear error.
+    """
+    if get_parallel().attn_cp_size > 1:
+        raise ValueError(
+            f"--attn-cp-size {get_parallel().attn_cp_size}: attention context parallelism is not implemented "
+            "for Llama-family models; use --attn-cp-size 1"
+        )
+    return get_attn_tp_group()
 
 
 class LlamaMLP(nn.Module):
@@ -146,16 +163,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, mlp_bias: bool) -> None:
         super().__init__()
         self.config = config
-        tp_group = get_tp_group()
-        attn_tp_group = get_attn_tp_group()
-        if attn_tp_group.world_size != tp_group.world_size:
-            # DP attention runs the MLP over tokens gathered from every attention-DP rank; that gather
-            # is not implemented, so such a model would compute wrong results rather than fail.
-            raise ValueError(
-                f"attention TP width {attn_tp_group.world_size} differs from --tp-size {tp_group.world_size} "
-                "(DP attention / attention CP): Llama-family models here run attention and MLP at the same "
-                "width; drop --enable-dp-attention / --attn-cp-size"
-            )
+        tp_group = model_tp_group()
+        attn_tp_group = tp_group
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp_group)
         self.layers = nn.ModuleList(
             [
@@ -217,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
             qk_norm=self.qk_norm,
             mlp_bias=bool(hf.get("mlp_bias", False)),
         )
-        tp_group = get_tp_group()
+        tp_group = model_tp_group()
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group=tp_group)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

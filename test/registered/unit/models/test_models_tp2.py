@@ -83,3 +83,33 @@ def test_tp4_replicates_kv_heads(tmp_path):
         assert res["local_heads"] == (1, 1)
         torch.testing.assert_close(torch.tensor(res["prefill_logits"]), ref_logits, atol=1e-4, rtol=0)
         assert res["greedy"] == ref_greedy
+
+
+def _dp_attention_rank(rank: int, world_size: int, init_method: str, model_dir: str) -> dict:
+    from sglite.srt.model_executor.model_runner import ModelRunner
+
+    args = ServerArgs(
+        model_path=model_dir, device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True, cpu_kv_cache_budget_mb=2
+    ).validate()
+    runner = ModelRunner(args, rank=rank, world_size=world_size, dist_init_method=init_method)
+    attn = runner.model.model.layers[0].self_attn
+    # Each attention-DP rank serves its own requests: give the ranks different prompts.
+    prompts = PROMPTS[:2] if rank == 0 else PROMPTS[2:]
+    return {
+        "attn_tp": runner.parallel.attn_tp_size,
+        "local_heads": (attn.num_heads, attn.num_kv_heads),
+        "greedy": greedy_generate(runner, prompts, 32),
+    }
+
+
+@pytest.mark.timeout(180)
+def test_dp_attention_ranks_run_independent_replicas(tmp_path):
+    """tp 2 / dp 2 with DP attention: attn_tp 1, each rank a full replica serving its own requests."""
+    torch.set_num_threads(1)
+    d = str(tmp_path / "llama")
+    build_tiny_model(d, "llama", seed=13, with_tokenizer=False, eos_token_id=None)
+    ref = _hf_greedy(load_hf_model(d), PROMPTS, 32)
+    r0, r1 = run_local_ranks(_dp_attention_rank, 2, d, timeout_s=150)
+    assert r0["attn_tp"] == r1["attn_tp"] == 1
+    assert r0["local_heads"] == (4, 2)
+    assert r0["greedy"] + r1["greedy"] == ref
