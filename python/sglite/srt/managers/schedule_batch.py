@@ -70,11 +70,6 @@ class Req:
         """A finish reason is set."""
         return self.finished_reason is not None
 
-    @property
-    def prefill_done(self) -> bool:
-        """All of ``all_token_ids`` but the newest have K/V (the request can decode)."""
-        return self.req_pool_idx is not None and self.kv_len == self.seq_len - 1 and len(self.output_ids) > 0
-
     def reset_kv_state(self) -> None:
         """Forget KV placement (after the slots were released): the request will prefill again."""
         self.req_pool_idx = None
@@ -147,7 +142,8 @@ class ScheduleBatch:
         else:
             mode = ForwardMode.DECODE
             items = [(r.req_pool_idx, p, [t]) for r, p, t in zip(self.reqs, self.prefix_lens, self.input_ids)]
-            loc = torch.stack([self.slots_of(i)[0] for i in range(self.batch_size)]) if self.reqs else self.out_cache_loc
+            # Decode writes one token per request: the first of the slots allocated for it.
+            loc = self.out_cache_loc.view(self.batch_size, -1)[:, 0]
         return build_forward_batch(
             mode,
             items,
