@@ -37,8 +37,13 @@ class TrainedDraft:
     final_loss: float
 
 
-def build_tiny_target(path: str, *, seed: int = 0, num_layers: int = 4, vocab_size: int = TINY_VOCAB) -> str:
-    """Save a tiny random fp32 Qwen3 target (hidden 64, GQA 4/2 heads, wide init so greedy paths vary)."""
+def build_tiny_target(
+    path: str, *, seed: int = 0, num_layers: int = 4, vocab_size: int = TINY_VOCAB, with_tokenizer: bool = False
+) -> str:
+    """Save a tiny random fp32 Qwen3 target (hidden 64, GQA 4/2 heads, wide init so greedy paths vary).
+
+    ``with_tokenizer`` adds the tiny 512-token BPE tokenizer (for servers and stop strings; ~10 s).
+    """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -60,6 +65,12 @@ def build_tiny_target(path: str, *, seed: int = 0, num_layers: int = 4, vocab_si
     )
     model = Qwen3ForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(path)
+    if with_tokenizer:
+        from sglite.testing.tiny_tokenizer import TINY_TOKENIZER_VOCAB, build_tiny_tokenizer
+
+        if vocab_size != TINY_TOKENIZER_VOCAB:
+            raise ValueError(f"the tiny tokenizer has {TINY_TOKENIZER_VOCAB} tokens; build the target with that vocab_size")
+        build_tiny_tokenizer(path)
     return path
 
 

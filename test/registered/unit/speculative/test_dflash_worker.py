@@ -332,3 +332,36 @@ def test_page_size_4_and_eos_inside_a_block(trained):
         assert run.ids[f"r{i}"] == ref_ids
         assert run.steps[f"r{i}"][1:] == ref_lens
     assert run.finish["r1"]["type"] == "stop"
+
+
+def test_stop_string_inside_a_block_matches_plain_decoding(trained, tmp_path):
+    from transformers import AutoTokenizer
+
+    from sglite.testing.tiny_tokenizer import build_tiny_tokenizer
+
+    target_dir, tr, target, _ = trained
+    build_tiny_tokenizer(target_dir)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    prompt = tr.prompts[11]
+    max_new = 24
+    full = target_greedy(target, prompt, max_new)
+    stop = next(s for s in (tok.decode(full[k : k + 2]) for k in range(9, 20)) if s.strip())
+    params = [SamplingParams(max_new_tokens=max_new, temperature=0.0, stop=[stop])]
+    args = spec_args(target_dir, tr.draft_dir)
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            spec = generate(Scheduler(args, create_dflash_worker(args), tokenizer=tok), [prompt], params)
+        finally:
+            destroy_parallel_runtime()
+    plain_args = ServerArgs(model_path=target_dir, dtype="float32", device="cpu", cpu_kv_cache_budget_mb=4,
+                            context_length=256, schedule_policy="fcfs").validate()
+    from sglite.srt.managers.tp_worker import TpModelWorker
+
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            plain = generate(Scheduler(plain_args, TpModelWorker.create(plain_args), tokenizer=tok), [prompt], params)
+        finally:
+            destroy_parallel_runtime()
+    assert spec.ids["r0"] == plain.ids["r0"] == full[: len(plain.ids["r0"])]
+    assert len(spec.ids["r0"]) < max_new and spec.finish["r0"]["type"] == "stop"
+    assert stop in tok.decode(spec.ids["r0"])
