@@ -58,7 +58,9 @@ class Sampler(nn.Module):
             probs_sort = probs_sort.masked_fill(ranks >= info.top_ks[:, None], 0.0)
         if info.need_top_p:
             mass_before = torch.cumsum(probs_sort, dim=-1) - probs_sort
-            probs_sort = probs_sort.masked_fill(mass_before > info.top_ps[:, None], 0.0)
+            # Rows with top_p == 1 filter nothing: a float cumsum over a large vocab overshoots 1.0.
+            drop = (mass_before > info.top_ps[:, None]) & (info.top_ps[:, None] < 1.0)
+            probs_sort = probs_sort.masked_fill(drop, 0.0)
         if info.need_min_p:
             threshold = probs_sort[:, :1] * info.min_ps[:, None]
             probs_sort = probs_sort.masked_fill(probs_sort < threshold, 0.0)

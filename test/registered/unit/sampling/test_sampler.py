@@ -133,3 +133,13 @@ def test_repeat_interleave_for_verify_rows():
     assert rep.top_ks.tolist() == [2, 2, 2, V, V, V]
     assert rep.seed_offsets == [7, 8, 9, 0, 1, 2]
     assert rep.is_greedy.tolist() == [False] * 3 + [True] * 3
+
+
+def test_top_p_one_rows_keep_the_whole_vocab_next_to_top_p_rows():
+    """A float cumsum over a big vocab overshoots 1.0; a top_p=1 row must still keep every token."""
+    probs = torch.softmax(torch.randn(2, 150000, generator=torch.Generator().manual_seed(0)) * 3, dim=-1)
+    info = SamplingBatchInfo.from_sampling_params([SamplingParams(top_p=1.0), SamplingParams(top_p=0.9)], 150000)
+    assert info.need_top_p
+    kept, _ = Sampler().filtered_probs(probs, info)
+    assert int((kept[0] > 0).sum()) == int((probs[0] > 0).sum())
+    assert int((kept[1] > 0).sum()) < int((probs[1] > 0).sum())
