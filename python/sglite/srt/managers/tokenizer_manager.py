@@ -155,7 +155,7 @@ class TokenizerManager:
         if n_in >= self.context_len:
             raise RequestValidationError(
                 f"The input ({n_in} tokens) is longer than the model's context length ({self.context_len} tokens).",
-                "messages" if input_text is None else "prompt",
+                "prompt",
             )
         if sp_dict.get("max_new_tokens") is None:
             room = min(self.context_len, self.scheduler_info.max_total_num_tokens) - n_in

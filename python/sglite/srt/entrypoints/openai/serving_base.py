@@ -106,6 +106,7 @@ class OpenAIServingBase(abc.ABC):
     """validate -> convert -> respond, shared by chat and completions."""
 
     request_model: type[BaseModel]
+    prompt_param = "prompt"  # the request field a prompt-length error points at
 
     def __init__(self, tokenizer_manager: TokenizerManager, served_model_name: str, model_aliases: tuple[str, ...] = ()) -> None:
         self.tm = tokenizer_manager
@@ -143,7 +144,8 @@ class OpenAIServingBase(abc.ABC):
             obj = self.convert(req)
             tokenized = self.tm.tokenize_request(obj, fill_context=True)
         except RequestValidationError as e:
-            return error_response(str(e), param=_openai_param(e.param))
+            param = self.prompt_param if e.param == "prompt" else _openai_param(e.param)
+            return error_response(str(e), param=param)
         except EngineDeadError as e:
             return error_response(str(e), status=503, err_type="ServiceUnavailableError")
         if req.stream:

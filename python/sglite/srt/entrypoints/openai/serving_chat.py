@@ -16,6 +16,7 @@ class OpenAIServingChat(OpenAIServingBase):
     """Chat completions, streaming or not."""
 
     request_model = ChatCompletionRequest
+    prompt_param = "messages"
 
     def check_unsupported(self, req: ChatCompletionRequest) -> None:
         """Also reject tools, logprobs and structured output, which are not implemented."""

@@ -1,0 +1,83 @@
+"""launch_server: default-model resolution (embedded model + bundled draft), clear errors, CLI exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import sglite.launch_server as ls
+from sglite.srt.server_args import ServerArgs, ServerArgsError
+
+SUITE = "unit-cpu"
+EST_TIME = 8
+
+
+def _fake_ckpt(path, archs):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"architectures": archs}))
+    return str(path)
+
+
+@pytest.fixture
+def assets(tmp_path, monkeypatch):
+    model, draft = tmp_path / "default_model", tmp_path / "default_draft"
+    monkeypatch.setattr(ls, "DEFAULT_MODEL_DIR", str(model))
+    monkeypatch.setattr(ls, "DEFAULT_DRAFT_DIR", str(draft))
+    return model, draft
+
+
+def test_explicit_model_path_is_kept(assets):
+    args = ServerArgs(model_path="/some/model")
+    assert ls.resolve_default_model(args) is args
+
+
+def test_missing_default_model_is_a_clear_error(assets):
+    with pytest.raises(ServerArgsError, match="--model-path"):
+        ls.resolve_default_model(ServerArgs())
+
+
+def test_default_model_without_draft(assets):
+    model, _ = assets
+    _fake_ckpt(model, ["Qwen3ForCausalLM"])
+    args = ls.resolve_default_model(ServerArgs())
+    assert args.model_path == str(model) and args.speculative_algorithm is None
+    assert "embedded default model" in ls.describe_model_choice(ServerArgs(), args)
+    assert "speculative decoding off" in ls.describe_model_choice(ServerArgs(), args)
+
+
+@pytest.mark.parametrize("arch, algo", [("DFlashDraftModel", "DFLASH"), ("DSparkDraftModel", "DSPARK")])
+def test_default_model_with_bundled_draft(assets, arch, algo):
+    model, draft = assets
+    _fake_ckpt(model, ["Qwen3ForCausalLM"])
+    _fake_ckpt(draft, [arch])
+    args = ls.resolve_default_model(ServerArgs()).validate()
+    assert (args.speculative_algorithm, args.speculative_draft_model_path) == (algo, str(draft))
+    line = ls.describe_model_choice(ServerArgs(), args)
+    assert algo in line and "bundled default draft" in line
+
+
+def test_explicit_speculative_flags_win_over_bundled_draft(assets):
+    model, draft = assets
+    _fake_ckpt(model, ["Qwen3ForCausalLM"])
+    _fake_ckpt(draft, ["DFlashDraftModel"])
+    args = ls.resolve_default_model(ServerArgs(speculative_algorithm="DSPARK", speculative_draft_model_path="/d"))
+    assert (args.speculative_algorithm, args.speculative_draft_model_path) == ("DSPARK", "/d")
+
+
+def test_unknown_draft_architecture(assets):
+    model, draft = assets
+    _fake_ckpt(model, ["Qwen3ForCausalLM"])
+    _fake_ckpt(draft, ["LlamaForCausalLM"])
+    with pytest.raises(ServerArgsError, match="--speculative-algorithm"):
+        ls.resolve_default_model(ServerArgs())
+
+
+def test_cli_bad_flag_exits_2():
+    r = subprocess.run([sys.executable, "-m", "sglite.launch_server", "--tp-size", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--tp-size" in r.stderr
+
+
+def test_main_reports_missing_model(assets, capsys):
+    assert ls.main(["--port", "30001"]) == 2
+    assert "--model-path" in capsys.readouterr().err
