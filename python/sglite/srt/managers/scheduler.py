@@ -164,7 +164,8 @@ class Scheduler:
             return f"request id {req.rid!r} is already in use"
         if n + max_new > self.context_len:
             return f"prompt ({n}) + max_new_tokens ({max_new}) exceeds the context length {self.context_len}"
-        need = pages_needed(0, n + max_new, self.page_size)
+        # The last decode step holds K/V for n + max_new - 1 tokens plus its block of slots.
+        need = pages_needed(0, n + max_new - 1 + int(self.worker.num_decode_tokens_per_req), self.page_size)
         if need > self.initial_free_slots:
             return (
                 f"the request needs {need} KV slots but the pool holds {self.initial_free_slots}; "
@@ -476,7 +477,10 @@ class Scheduler:
     def _alloc_extend(self, reqs: Sequence[Req], prefix: list[int], seq: list[int]) -> Optional[torch.Tensor]:
         """Slots for positions [prefix, seq) of each request, evicting from the prefix cache if short."""
         table = self.req_to_token_pool.req_to_token
-        last_locs = [int(table[r.req_pool_idx, p - 1]) if p > 0 else 0 for r, p in zip(reqs, prefix)]
+        # One gather (one device sync) for every request's last slot; prefix 0 reads column 0, ignored.
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=table.device)
+        cols = torch.tensor([max(p - 1, 0) for p in prefix], dtype=torch.int64, device=table.device)
+        last_locs = [loc if p > 0 else 0 for loc, p in zip(table[rows, cols].tolist(), prefix)]
         loc = self.allocator.alloc_extend(prefix, seq, last_locs)
         if loc is None:
             need = sum(pages_needed(p, s - p, self.page_size) for p, s in zip(prefix, seq))
