@@ -16,7 +16,7 @@ runner passes the target's ``MemoryPoolConfig`` and gets it back verbatim (it ne
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -82,9 +82,18 @@ def compute_device_budget_bytes(pre_model_load_free_bytes: int, weights_bytes: i
 # ====================================================================== the config
 
 
+def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    """'bfloat16' for torch.bfloat16 (JSON-friendly)."""
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
 @dataclass
 class MemoryPoolConfig:
-    """The per-rank memory plan: capacities, cell sizes and the exact pools to build."""
+    """The per-rank memory plan: capacities, cell sizes and the exact pools to build.
+
+    Every field is JSON-friendly (``dataclasses.asdict`` goes straight to /get_server_info); the
+    geometries to build from are in ``self.plan`` (a ``PoolPlan``, passed as ``pool_plan``).
+    """
 
     max_total_num_tokens: int
     max_running_requests: int
@@ -94,24 +103,27 @@ class MemoryPoolConfig:
     page_size: int
     context_len: int
     req_to_token_context_len: int
-    kv_cache_dtype: torch.dtype
+    kv_cache_dtype: str  # dtype_name of the target KV dtype
     attn_tp_size: int
     attn_dp_size: int
     configurator: str
-    plan: PoolPlan = field(repr=False)
+    pool_plan: InitVar[PoolPlan]
+    planned_pool_bytes: dict[str, int] = field(default_factory=dict)  # filled from the plan
     full_max_total_num_tokens: int = 0
     swa_max_total_num_tokens: Optional[int] = None
     mamba_state_slots: Optional[int] = None
     state_bytes_per_slot: Optional[int] = None
     speculative_algorithm: Optional[str] = None
-    draft_kv_cache_dtype: Optional[torch.dtype] = None
+    draft_kv_cache_dtype: Optional[str] = None
     target_kv_heads_per_rank: Optional[int] = None  # None for MLA (latent, not per head)
     draft_kv_heads_per_rank: Optional[int] = None
     max_total_tokens_flag: Optional[int] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, pool_plan: PoolPlan) -> None:
         if self.max_total_num_tokens <= 0:
             raise MemoryPlanError("Not enough memory: the plan has no KV tokens; raise the memory budget")
+        self.plan = pool_plan  # not a field: asdict() stays JSON-friendly
+        self.planned_pool_bytes = {p.name: p.planned_bytes for p in pool_plan.planned_pools()}
 
     @property
     def max_context_len(self) -> int:
@@ -262,17 +274,17 @@ class KVCacheConfigurator:
             page_size=plan.page_size,
             context_len=context_len,
             req_to_token_context_len=plan.req_to_token_context_len,
-            kv_cache_dtype=kv_dtype,
+            kv_cache_dtype=dtype_name(kv_dtype),
             attn_tp_size=conf.attn_tp_size,
             attn_dp_size=conf.attn_dp_size,
             configurator=conf.name,
-            plan=plan,
+            pool_plan=plan,
             full_max_total_num_tokens=plan.max_total_num_tokens,
             swa_max_total_num_tokens=plan.swa_max_total_num_tokens,
             mamba_state_slots=plan.state_slots,
             state_bytes_per_slot=plan.target_state.bytes_per_slot() if plan.target_state else None,
             speculative_algorithm=aux.algorithm,
-            draft_kv_cache_dtype=aux.draft_kv_cache_dtype,
+            draft_kv_cache_dtype=dtype_name(aux.draft_kv_cache_dtype),
             target_kv_heads_per_rank=ta.head_num if ta is not None and ta.kind == "mha" else None,
             draft_kv_heads_per_rank=plan.draft.head_num if plan.draft is not None and plan.draft.kind == "mha" else None,
             max_total_tokens_flag=sa.max_total_tokens,

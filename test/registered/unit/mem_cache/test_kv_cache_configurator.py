@@ -7,8 +7,10 @@ the one transformers defines, not one we wrote.
 SUITE = "unit-cpu"
 EST_TIME = 12
 
+import dataclasses
 import json
 import os
+import pickle
 
 import pytest
 import torch
@@ -155,6 +157,17 @@ def test_max_total_tokens_flag_only_lowers(tmp_path):
                                        max_total_tokens=10 * full.max_total_num_tokens))
     assert low.max_total_num_tokens == 100
     assert high.max_total_num_tokens == full.max_total_num_tokens
+
+
+def test_memory_pool_config_is_json_friendly(tmp_path):
+    sa = ServerArgs(model_path=_tiny_qwen3(tmp_path), device="cpu", cpu_kv_cache_budget_mb=2, page_size=4,
+                    speculative_algorithm="DFLASH", speculative_draft_model_path=_tiny_dflash(tmp_path))
+    cfg, _, _ = _configure(sa)
+    d = json.loads(json.dumps(dataclasses.asdict(cfg)))  # what /get_server_info sends
+    assert d["max_total_num_tokens"] == cfg.max_total_num_tokens
+    assert d["kv_cache_dtype"] == "float32" and d["draft_kv_cache_dtype"] == "float32"
+    assert d["planned_pool_bytes"] == {p.name: p.planned_bytes for p in cfg.planned_pools()}
+    assert pickle.loads(pickle.dumps(cfg)).plan == cfg.plan  # crosses process boundaries intact
 
 
 def test_draft_worker_short_circuits(tmp_path):

@@ -59,6 +59,6 @@ def test_cuda_pools_take_exactly_the_plan(kv_dtype):
     k = torch.randn(20, 8, 128, device="cuda")
     d.token_to_kv_pool.set_kv_buffer(3, loc, k, k)
     got = d.token_to_kv_pool.get_key_buffer(3)[loc].float()
-    assert torch.allclose(got, k.to(cfg.draft_kv_cache_dtype).float())
+    assert torch.allclose(got, k.to(aux.draft_kv_cache_dtype).float())
     del t, d
     torch.cuda.empty_cache()
