@@ -194,11 +194,9 @@ class SWATokenToKVPoolAllocator:
     def alloc_extend(self, prefix_lens: IntSeq, seq_lens: IntSeq, last_locs: IntSeq) -> Optional[torch.Tensor]:
         """Page-aware extend in both pools (see ``PagedTokenToKVPoolAllocator.alloc_extend``)."""
         last = torch.as_tensor(_to_list(last_locs), dtype=torch.int64)
-        swa_last = torch.where(
-            last >= self.page_size,
-            self.full_to_swa_index_mapping.to("cpu")[last.clamp(min=0)],
-            last,
-        )
+        mapping = self.full_to_swa_index_mapping
+        mapped = mapping[last.clamp(min=0).to(mapping.device)].to("cpu")  # gather first: copy n, not the table
+        swa_last = torch.where(last >= self.page_size, mapped, last)
         full = self.full_attn_allocator.alloc_extend(prefix_lens, seq_lens, last)
         if full is None:
             return None
