@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from sglite.srt.distributed.parallel_state import GroupCoordinator, get_tp_group
+from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_tp_group
 
 
 class WeightShapeError(ValueError):
@@ -14,8 +14,12 @@ class WeightShapeError(ValueError):
 
 
 def resolve_tp_group(group: Optional[GroupCoordinator]) -> GroupCoordinator:
-    """The given group, else the process's tensor-parallel group."""
-    return group if group is not None else get_tp_group()
+    """The given group, else the attention-TP group (= the TP group without DP attention).
+
+    Under DP attention every attention-DP group holds a full model replica sharded over its attn_tp
+    ranks, the width the KV plan prices pools at; so weights default to that group.
+    """
+    return group if group is not None else get_attn_tp_group()
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
