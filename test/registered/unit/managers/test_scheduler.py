@@ -277,11 +277,23 @@ def test_unservable_requests_finish_with_abort():
     _assert_no_leak(s)
 
 
-def test_random_workload_invariants():
+@pytest.mark.parametrize(
+    "page_size,block_size,radix,policy,seed",
+    [(2, 2, True, "lpm", 99), (1, 1, True, "fcfs", 5), (4, 3, True, "lpm", 6), (1, 4, False, "lpm", 7), (2, 1, False, "fcfs", 8)],
+)
+def test_random_workload_invariants(page_size, block_size, radix, policy, seed):
     """Random arrivals, aborts and a tight pool; outputs exact, no slot leaks."""
-    rng = random.Random(99)
-    w = FakeModelWorker(max_total_num_tokens=96, page_size=2, block_size=2, vocab_size=VOCAB, max_running_requests=6)
-    s = _sched(w, chunked_prefill_size=8, config=SchedulerConfig(init_new_token_ratio=0.05, min_new_token_ratio=0.0))
+    rng = random.Random(seed)
+    w = FakeModelWorker(
+        max_total_num_tokens=64, page_size=page_size, block_size=block_size, vocab_size=VOCAB, max_running_requests=6, seed=seed
+    )
+    s = _sched(
+        w,
+        chunked_prefill_size=8,
+        disable_radix_cache=not radix,
+        schedule_policy=policy,
+        config=SchedulerConfig(init_new_token_ratio=0.05, min_new_token_ratio=0.0),
+    )
     prompts, max_news, aborted, outs = {}, {}, set(), []
     shared = _prompts(1, seed=1, lo=10, hi=10)[0]
     for step in range(400):
