@@ -252,6 +252,7 @@ class KVCacheConfigurator:
             spec_aux=aux,
             num_draft_tokens=self._num_draft_tokens(),
             max_running_requests=sa.max_running_requests,
+            extra_req_slots=int(sa.disaggregation_decode_extra_slots) if sa.disaggregation_mode == "decode" else 0,
             swa_full_tokens_ratio=self.swa_full_tokens_ratio,
             mamba_full_memory_ratio=self.mamba_full_memory_ratio,
         )

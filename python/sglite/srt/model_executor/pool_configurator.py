@@ -170,6 +170,12 @@ class PoolPlan:
     target_state: Optional[StateGeometry] = None
     state_slots: Optional[int] = None
     draft: Optional[AttnPoolGeometry] = None
+    extra_req_slots: int = 0  # PD decode node: rows for requests pre-allocated while their KV arrives
+
+    @property
+    def req_to_token_rows(self) -> int:
+        """Request rows of the request→token table (running requests + PD pre-allocation rows)."""
+        return self.max_running_requests + self.extra_req_slots
 
     # ---------------------------------------------------------------- bytes
     def planned_pools(self) -> list[PlannedPool]:
@@ -201,7 +207,7 @@ class PoolPlan:
         out.append(
             PlannedPool(
                 "req_to_token", "shared",
-                ReqToTokenPool.planned_bytes(self.max_running_requests, self.req_to_token_context_len, REQ_TO_TOKEN_DTYPE),
+                ReqToTokenPool.planned_bytes(self.req_to_token_rows, self.req_to_token_context_len, REQ_TO_TOKEN_DTYPE),
             )
         )
         return out
@@ -233,7 +239,7 @@ class PoolPlan:
 
     def build_req_to_token_pool(self, device: Device) -> ReqToTokenPool:
         """The request→token table shared by target and draft."""
-        return ReqToTokenPool(self.max_running_requests, self.req_to_token_context_len, device, REQ_TO_TOKEN_DTYPE)
+        return ReqToTokenPool(self.req_to_token_rows, self.req_to_token_context_len, device, REQ_TO_TOKEN_DTYPE)
 
 
 # ====================================================================== configurators
@@ -251,6 +257,7 @@ class ConfiguratorInputs:
     spec_aux: SpecAuxHiddenStateConfig
     num_draft_tokens: int = 0
     max_running_requests: Optional[int] = None  # --max-running-requests (whole server; split over attn DP)
+    extra_req_slots: int = 0  # PD decode node: --disaggregation-decode-extra-slots
     swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO
     mamba_full_memory_ratio: float = DEFAULT_MAMBA_FULL_MEMORY_RATIO
 
@@ -369,6 +376,7 @@ class BasePoolConfigurator(abc.ABC):
             page_size=self.page_size,
             max_total_num_tokens=tokens,
             max_running_requests=self.max_running_requests_for(tokens),
+            extra_req_slots=self.inputs.extra_req_slots,
             req_to_token_context_len=self.req_to_token_context_len,
             target_attn=self.target_attn,
             draft=self.draft,

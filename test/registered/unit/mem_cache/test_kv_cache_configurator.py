@@ -209,3 +209,15 @@ def test_build_pools_refuses_another_width(tmp_path):
         simulate_rank(par, 0)
         with pytest.raises(MemoryPlanError, match="attn_tp_size"):
             build_pools(cfg, mc, device="meta")
+
+
+def test_pd_decode_node_adds_request_rows(tmp_path):
+    path = _tiny_qwen3(tmp_path)
+    plain, t_plain, _ = _configure(ServerArgs(model_path=path, device="cpu", cpu_kv_cache_budget_mb=1,
+                                              max_running_requests=8))
+    dec, t_dec, _ = _configure(ServerArgs(model_path=path, device="cpu", cpu_kv_cache_budget_mb=1,
+                                          max_running_requests=8, disaggregation_mode="decode",
+                                          disaggregation_decode_extra_slots=5))
+    assert plain.max_running_requests == dec.max_running_requests == 8
+    assert t_plain.req_to_token_pool.size == 8 and t_dec.req_to_token_pool.size == 13
+    _check_equal(dec, t_dec, None)
