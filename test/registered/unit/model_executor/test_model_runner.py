@@ -118,3 +118,19 @@ def test_draft_runner_shares_allocator_and_table(dflash_pair, rank0):
     assert draft.forward(block).next_token_logits.shape == (4, 512)
     with pytest.raises(ValueError, match="another runner's pool"):
         target.forward(block)
+
+
+def test_bfloat16_runner(model_dir, rank0):
+    """--dtype bfloat16: bf16 weights and KV pool; logits close to transformers in bf16."""
+    runner = ModelRunner(ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=1, dtype="bfloat16").validate())
+    assert runner.dtype == torch.bfloat16
+    assert runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert runner.token_to_kv_pool.get_key_buffer(0).dtype == torch.bfloat16
+    hf = load_hf_model(model_dir).to(torch.bfloat16)
+    prompt = [3, 30, 300, 33, 7]
+    row = runner.req_to_token_pool.alloc(1)[0]
+    logits = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(row, 0, prompt)])).next_token_logits[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+    assert logits.dtype == torch.float32
+    assert (logits - ref).abs().max() <= 0.03 * ref.abs().max()

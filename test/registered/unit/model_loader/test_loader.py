@@ -141,3 +141,16 @@ def test_unsupported_architecture(tmp_path, single, rank0):
     json.dump(cfg, open(d / "config.json", "w"))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported"):
         _load(str(d))
+
+
+def test_tied_checkpoint_that_also_stores_lm_head(tmp_path, rank0):
+    """Some tied checkpoints store lm_head.weight anyway; it is skipped and the head stays tied."""
+    src = build_tiny_model(str(tmp_path / "tied_src"), "qwen2", seed=4, with_tokenizer=False, tie_word_embeddings=True)
+
+    def edit(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    d = _rewrite(src, str(tmp_path / "tied_with_head"), edit)
+    model = _load(d)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(model.lm_head.weight, _hf_state(src)["model.embed_tokens.weight"], rtol=0, atol=0)
