@@ -23,6 +23,12 @@ TOL = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _fixed_configs(monkeypatch):
+    """One fixed config per kernel variant (one compile each); test_autotuned_* turn autotuning back on."""
+    monkeypatch.setenv("SGLITE_TRITON_AUTOTUNE", "0")
+
+
 def lens_for(mode: ForwardMode) -> tuple[list[int], list[int]]:
     """Ragged, longer than the CPU cases: several kernel blocks and decode splits per request."""
     if mode == ForwardMode.DECODE:
@@ -74,6 +80,12 @@ def test_triton_equals_torch_native_cuda(mode, page_size, gqa, head_dim, dtype):
 def test_triton_sliding_window_and_v_head_dim_cuda(mode):
     _check("triton", mode, 16, 2, 4, 128, torch.bfloat16, sliding_window=300)
     _check("triton", mode, 1, 2, 4, 128, torch.bfloat16, v_head_dim=64)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_autotuned_triton_equals_torch_native_cuda(mode, monkeypatch):
+    monkeypatch.setenv("SGLITE_TRITON_AUTOTUNE", "1")
+    _check("triton", mode, 16, 2, 4, 128, torch.bfloat16)
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=lambda m: m.name)

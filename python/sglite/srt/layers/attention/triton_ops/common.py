@@ -13,6 +13,15 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 
 
+def autotune_enabled() -> bool:
+    """Whether compiled launches autotune (CUDA only; the interpreter never does).
+
+    ``SGLITE_TRITON_AUTOTUNE=0`` uses one fixed config per kernel instead: one compile per variant,
+    which keeps the GPU equality tests short. Read at launch time, so tests can switch it.
+    """
+    return not INTERPRET and os.environ.get("SGLITE_TRITON_AUTOTUNE", "1") != "0"
+
+
 def head_block(dim: int) -> int:
     """Power-of-two block covering a head dim (at least 16, the smallest tl.dot operand)."""
     return max(16, triton.next_power_of_2(dim))

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from sglite.srt.layers.attention.triton_ops.common import (
     INTERPRET,
+    autotune_enabled,
     LOG2E,
     check_kv_dtype,
     check_last_dim_contiguous,
@@ -156,18 +157,18 @@ def _decode_merge_kernel(
     tl.store(O + b * stride_ot + h * stride_oh + offs_dv, out.to(O.dtype.element_ty), mask=mask_dv)
 
 
-_INTERPRET_BLOCKS = {"BLOCK_N": 128}
+_FIXED_BLOCKS = {"BLOCK_N": 128} if INTERPRET else {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
-if INTERPRET:
-    _decode_kernel = _decode_split_kernel
-else:
-    _decode_kernel = triton.autotune(
+_decode_kernel_tuned = None
+if not INTERPRET:
+    _decode_kernel_tuned = triton.autotune(
         configs=[
             triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bn, w, s in [(32, 4, 2), (64, 4, 2), (128, 4, 2), (64, 8, 3)]
         ],
         key=["GROUP", "HEAD_DIM", "V_HEAD_DIM", "NUM_SPLITS", "USE_WINDOW", "DOT_FP32"],
     )(_decode_split_kernel)
+_decode_kernel = _decode_kernel_tuned if _decode_kernel_tuned is not None else _decode_split_kernel
 
 
 def decode_block_h(group: int) -> int:
@@ -225,9 +226,10 @@ def decode_attention_fwd(
         USE_WINDOW=sliding_window is not None,
         DOT_FP32=dot_in_fp32(q.dtype),
     )
-    if INTERPRET:
-        meta.update(_INTERPRET_BLOCKS)
-    _decode_kernel[(bs, num_kv_heads * blocks_per_group, num_kv_splits)](
+    kernel = _decode_kernel_tuned if autotune_enabled() else _decode_split_kernel
+    if kernel is _decode_split_kernel:
+        meta.update(_FIXED_BLOCKS)
+    kernel[(bs, num_kv_heads * blocks_per_group, num_kv_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         sm_scale * LOG2E, 0 if sliding_window is None else sliding_window,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from sglite.srt.layers.attention.triton_ops.common import (
     INTERPRET,
+    autotune_enabled,
     LOG2E,
     check_kv_dtype,
     check_last_dim_contiguous,
@@ -130,19 +131,21 @@ def _extend_attn_kernel(
     tl.store(O + q_rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :], out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
 
 
-_INTERPRET_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 64}
+# Large blocks in the interpreter (its cost is per program); a safe middle config when not autotuning.
+_FIXED_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 64} if INTERPRET else {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
-if INTERPRET:
-    # triton.autotune needs a live driver; the interpreter runs one fixed, large-block config.
-    _extend_kernel = _extend_attn_kernel
-else:
-    _extend_kernel = triton.autotune(
+# triton.autotune needs a live driver, so the interpreter only ever calls the plain kernel.
+_extend_kernel_tuned = None
+if not INTERPRET:
+    _extend_kernel_tuned = triton.autotune(
         configs=[
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2)]
         ],
         key=["GROUP", "HEAD_DIM", "V_HEAD_DIM", "CAUSAL", "USE_WINDOW", "DOT_FP32"],
     )(_extend_attn_kernel)
+# The kernel object aot_check compiles (the autotuned wrapper where there is one).
+_extend_kernel = _extend_kernel_tuned if _extend_kernel_tuned is not None else _extend_attn_kernel
 
 
 def extend_attention_fwd(
@@ -178,13 +181,14 @@ def extend_attention_fwd(
         USE_WINDOW=sliding_window is not None,
         DOT_FP32=dot_in_fp32(q.dtype),
     )
-    if INTERPRET:
-        meta.update(_INTERPRET_BLOCKS)
+    kernel = _extend_kernel_tuned if autotune_enabled() else _extend_attn_kernel
+    if kernel is _extend_attn_kernel:
+        meta.update(_FIXED_BLOCKS)
 
     def grid(m: dict) -> tuple[int, int, int]:
         return (bs, num_heads, triton.cdiv(max_extend_len, m["BLOCK_M"]))
 
-    _extend_kernel[grid](
+    kernel[grid](
         q, o, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_start,
         sm_scale * LOG2E, 0 if sliding_window is None else sliding_window,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
