@@ -1,0 +1,103 @@
+"""Prefill node: after a request's prefill, ship its target + draft KV and first token, then finish it.
+
+The request keeps its req_to_token row and slots (so nothing can evict them) until the transfer
+reaches Success or Failed; only then does the scheduler release it (its KV joins the prefix cache).
+A prefill node never decodes, so it reserves no decode block and allocates no verify scratch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from sglite.srt.disaggregation.base import KVPoll
+from sglite.srt.disaggregation.bootstrap_server import BootstrapServer
+from sglite.srt.disaggregation.kv_manager import PrefillKVManager
+from sglite.srt.disaggregation.transfer_backend import create_transfer_backend
+from sglite.srt.disaggregation.utils import agree_poll, transferable_kv_buffers
+from sglite.srt.managers.io_struct import finish_abort, finish_length
+from sglite.srt.managers.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillHandoff:
+    """Turns finished prefills into KV transfers and finishes each request when its transfer ends."""
+
+    def __init__(self, scheduler: Any, manager: PrefillKVManager, tp_group: Optional[Any] = None,
+                 bootstrap_server: Optional[BootstrapServer] = None) -> None:
+        self.scheduler = scheduler
+        self.manager = manager
+        self.tp_group = tp_group
+        self.bootstrap_server = bootstrap_server
+        self.inflight: list[Req] = []
+        self.num_transferred = 0
+        self.num_failed = 0
+
+    @classmethod
+    def create(cls, scheduler: Any, worker: Any, server_args: Any, tp_rank: int, tp_group: Optional[Any]) -> "PrefillHandoff":
+        """Start the bootstrap server (rank 0) and register this rank's KV buffers with it."""
+        server = None
+        if tp_rank == 0:
+            server = BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port)
+        if tp_group is not None:
+            tp_group.barrier()  # peers register only once rank 0's server listens
+        url = f"http://{server_args.host}:{server_args.disaggregation_bootstrap_port}"
+        manager = PrefillKVManager(
+            create_transfer_backend(server_args.disaggregation_transfer_backend, server_args.host),
+            transferable_kv_buffers(worker),
+            engine_rank=tp_rank,
+            bootstrap_url=url,
+            host=server_args.host,
+            timeout_s=server_args.disaggregation_transfer_timeout,
+        )
+        return cls(scheduler, manager, tp_group, server)
+
+    def hand_off(self, req: Req, first_token: int) -> None:
+        """The request's prompt is prefilled: send its KV rows and first token to the decode node."""
+        if req.bootstrap_room is None:
+            self.scheduler._finish_now(req, finish_abort(
+                "this is a prefill node (--disaggregation-mode prefill): requests need bootstrap_room, "
+                "sent by a PD router"))
+            return
+        req.output_ids.append(int(first_token))
+        src = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.origin_input_ids)]
+        meta = {"cached_tokens": req.cached_tokens, "prompt_tokens": len(req.origin_input_ids)}
+        self.manager.send(req.bootstrap_room, src.tolist(), int(first_token), meta)
+        self.inflight.append(req)
+
+    def poll(self) -> None:
+        """Finish requests whose transfer ended (same decision on every TP rank)."""
+        still = []
+        for req in self.inflight:
+            state = agree_poll(self.manager.poll(req.bootstrap_room), self.tp_group)
+            if state == KVPoll.Success:
+                self.num_transferred += 1
+                self._finish(req, finish_length(1))
+            elif state == KVPoll.Failed:
+                self.num_failed += 1
+                error = self.manager.error(req.bootstrap_room) or "KV transfer failed"
+                logger.warning("room %s: %s", req.bootstrap_room, error)
+                self._finish(req, finish_abort(f"KV transfer to the decode node failed: {error}"))
+            else:
+                still.append(req)
+        self.inflight = still
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        self.manager.release(req.bootstrap_room)
+        req.finished_reason = reason
+        self.scheduler._release(req)
+        self.scheduler._touch(req)
+
+    def abort(self, req: Req) -> bool:
+        """Drop an in-flight request (client abort); its slots are released."""
+        if req in self.inflight:
+            self.inflight.remove(req)
+            self._finish(req, finish_abort("aborted by the client"))
+            return True
+        return False
+
+    def state(self) -> dict[str, int]:
+        """Counters for /get_server_info."""
+        return {"num_prefill_inflight_reqs": len(self.inflight), "num_kv_transferred": self.num_transferred,
+                "num_kv_transfer_failed": self.num_failed}
