@@ -40,38 +40,16 @@ class TrainedDraft:
 def build_tiny_target(
     path: str, *, seed: int = 0, num_layers: int = 4, vocab_size: int = TINY_VOCAB, with_tokenizer: bool = False
 ) -> str:
-    """Save a tiny random fp32 Qwen3 target (hidden 64, GQA 4/2 heads, wide init so greedy paths vary).
+    """Save a tiny random fp32 Qwen3 target (``tiny_models``: hidden 64, GQA 4/2, wide init) with no EOS.
 
     ``with_tokenizer`` adds the tiny 512-token BPE tokenizer (for servers and stop strings; ~10 s).
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from sglite.testing.tiny_models import build_tiny_model
 
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
+    return build_tiny_model(
+        path, "qwen3", seed=seed, with_tokenizer=with_tokenizer, num_hidden_layers=num_layers,
+        vocab_size=vocab_size, eos_token_id=None,
     )
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(path)
-    if with_tokenizer:
-        from sglite.testing.tiny_tokenizer import TINY_TOKENIZER_VOCAB, build_tiny_tokenizer
-
-        if vocab_size != TINY_TOKENIZER_VOCAB:
-            raise ValueError(f"the tiny tokenizer has {TINY_TOKENIZER_VOCAB} tokens; build the target with that vocab_size")
-        build_tiny_tokenizer(path)
-    return path
 
 
 def _draft_config(target_dir: str, spec: TinyDraftSpec):

@@ -383,3 +383,16 @@ def test_chunked_prefill_and_mixed_greedy_sampled_batch(trained):
         assert run.steps[f"r{i}"][1:] == ref_lens
     for i in (2, 3):
         assert len(run.ids[f"r{i}"]) == max_new
+
+
+def test_num_draft_tokens_flag_overrides_the_checkpoint_block(trained):
+    target_dir, tr, target, draft = trained
+    prompts = [tr.prompts[15], tr.prompts[4] + target_greedy(target, tr.prompts[4], 2)]
+    max_new = 15
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_num_draft_tokens=3) as (sched, worker):
+        assert worker.block_size == 3 and worker.num_decode_tokens_per_req == 3
+        run = generate(sched, prompts, [greedy(max_new)] * len(prompts))
+    for i, p in enumerate(prompts):
+        ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new, block_size=3)
+        assert run.ids[f"r{i}"] == ref_ids
+        assert run.steps[f"r{i}"][1:] == ref_lens and max(ref_lens) <= 3
