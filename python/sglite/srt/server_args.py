@@ -75,6 +75,7 @@ class ServerArgs:
     page_size: int = _opt("Tokens per KV page", 1)
     chunked_prefill_size: int = _opt("Maximum prefill tokens per forward (-1 disables chunking)", 2048)
     schedule_policy: str = _opt("Waiting-queue order: longest prefix match or first come first served", "lpm", SCHEDULE_POLICIES)
+    enable_mixed_chunk: bool = _opt("Run decoding requests inside prefill batches (no speculative decoding)", False)
     disable_radix_cache: bool = _opt("Disable the radix prefix cache", False)
     attention_backend: Optional[str] = _opt("Attention backend; default: triton on CUDA, torch_native on CPU", None, ATTENTION_BACKENDS)
     disable_cuda_graph: bool = _opt("Disable CUDA graphs", False)

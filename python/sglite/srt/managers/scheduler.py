@@ -115,6 +115,9 @@ class Scheduler:
             None if server_args.chunked_prefill_size in (None, -1) else int(server_args.chunked_prefill_size)
         )
         self.cache_enabled = not server_args.disable_radix_cache
+        # Mixed batches put each decoding request's newest token into the prefill EXTEND; a speculative
+        # worker needs its own decode forward, so it never mixes.
+        self.enable_mixed_chunk = bool(server_args.enable_mixed_chunk) and not worker.is_speculative
         self.tree_cache: BasePrefixCache = (
             RadixCache(self.allocator, self.page_size) if self.cache_enabled else ChunkCache(self.allocator, self.page_size)
         )
@@ -234,9 +237,13 @@ class Scheduler:
         running_reserve = sum(
             PrefillBudget(0, None, self.page_size, self.new_token_ratio).reserve_for(r) for r in self.running
         ) + len(self.running) * self.worker.num_decode_tokens_per_req
+        mix = self.enable_mixed_chunk and bool(self.running)
+        chunk_budget = self.chunked_prefill_size
+        if mix and chunk_budget is not None:
+            chunk_budget = max(0, chunk_budget - len(self.running))  # decoding tokens share the forward
         budget = PrefillBudget(
             rem_kv_tokens=0,  # set per offer below: the evictable size moves as prefixes get locked
-            rem_chunk_tokens=self.chunked_prefill_size,
+            rem_chunk_tokens=chunk_budget,
             page_size=self.page_size,
             new_token_ratio=self.new_token_ratio,
         )
@@ -294,14 +301,20 @@ class Scheduler:
                     break
         if not admitted:
             return None
+        if mix:
+            batch = self._build_prefill_batch(admitted + [(r, 1) for r in self.running], may_fail=True)
+            if batch is not None:
+                return batch
         return self._build_prefill_batch(admitted)
 
-    def _build_prefill_batch(self, admitted: list[tuple[Req, int]]) -> ScheduleBatch:
+    def _build_prefill_batch(self, admitted: list[tuple[Req, int]], may_fail: bool = False) -> Optional[ScheduleBatch]:
         reqs = [r for r, _ in admitted]
         prefix = [r.kv_len for r in reqs]
         seq = [r.kv_len + n for r, n in admitted]
         loc = self._alloc_extend(reqs, prefix, seq)
         if loc is None:
+            if may_fail:
+                return None
             raise RuntimeError("prefill admission promised KV slots that the allocator could not provide")
         input_ids: list[int] = []
         offset = 0
@@ -325,6 +338,7 @@ class Scheduler:
         self.num_prefill_forwards += 1
         if len(results) != batch.batch_size:
             raise RuntimeError(f"worker returned {len(results)} results for {batch.batch_size} requests")
+        decoding = {id(r) for r in self.running}  # requests mixed in with one decode token each
         for req, n, tokens in zip(batch.reqs, batch.extend_lens, results):
             req.kv_len += n
             if req.kv_len < req.seq_len:
@@ -333,8 +347,10 @@ class Scheduler:
                 raise RuntimeError(f"prefill must return exactly one token per request, got {len(tokens)}")
             self._append_tokens(req, tokens)
             if req.finished:
+                if id(req) in decoding:
+                    self.running.remove(req)
                 self._release(req)
-            else:
+            elif id(req) not in decoding:
                 self.running.append(req)
 
     # ================================================================== decode

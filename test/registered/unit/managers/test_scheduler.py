@@ -336,3 +336,38 @@ def test_chunked_prompt_yields_slots_to_decoding_request(page_size):
     assert res["a"][0] == reference_generate(a, 20, VOCAB, ignore_eos=True)
     assert res["b"][0] == reference_generate(b, 4, VOCAB, ignore_eos=True)
     _assert_no_leak(s)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_mixed_chunk_decodes_inside_prefill_batches(page_size):
+    w = FakeModelWorker(page_size=page_size, vocab_size=VOCAB)
+    s = _sched(w, chunked_prefill_size=8, enable_mixed_chunk=True)
+    a, b = [5, 6, 7], _prompts(1, seed=13, lo=40, hi=40)[0]
+    s.add_request(_req("a", a, max_new=12, ignore_eos=True, stream=True))
+    outs = s.step()
+    s.add_request(_req("b", b, max_new=6, ignore_eos=True))
+    res = _collect(outs + s.run_until_idle())
+    assert ("prefill", 2) in w.batch_sizes  # b's chunks carried a's decode tokens
+    assert res["a"][0] == reference_generate(a, 12, VOCAB, ignore_eos=True)
+    assert res["b"][0] == reference_generate(b, 6, VOCAB, ignore_eos=True)
+    _assert_no_leak(s)
+
+
+def test_mixed_chunk_random_workload():
+    rng = random.Random(31)
+    w = FakeModelWorker(max_total_num_tokens=64, vocab_size=VOCAB, max_running_requests=6)
+    s = _sched(w, chunked_prefill_size=6, enable_mixed_chunk=True, config=SchedulerConfig(init_new_token_ratio=0.05, min_new_token_ratio=0.0))
+    prompts, max_news, outs = {}, {}, []
+    for step in range(300):
+        if step < 100 and rng.random() < 0.3:
+            rid = f"r{step}"
+            prompts[rid] = _prompts(1, seed=step, lo=2, hi=20)[0]
+            max_news[rid] = rng.randint(1, 15)
+            s.add_request(_req(rid, prompts[rid], max_new=max_news[rid], stream=True))
+        outs += s.step()
+    outs += s.run_until_idle()
+    res = _collect(outs)
+    for rid, p in prompts.items():
+        assert res[rid][0] == reference_generate(p, max_news[rid], VOCAB, eos_token_ids=[EOS]), rid
+    assert any(kind == "prefill" and bs > 1 for kind, bs in w.batch_sizes)
+    _assert_no_leak(s)

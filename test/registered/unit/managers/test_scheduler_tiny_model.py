@@ -103,12 +103,15 @@ def test_shared_prefix_hit_reports_cached_tokens_and_same_tokens(tiny, rank0):
     _assert_clean(s)
 
 
-def test_chunked_prefill_same_tokens(tiny, rank0):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_chunked_prefill_same_tokens(tiny, rank0, mixed):
     d, expected = tiny
-    s = _scheduler(d, chunked_prefill_size=4)
+    s = _scheduler(d, chunked_prefill_size=4, enable_mixed_chunk=mixed)
+    outs = []
     for i, p in enumerate(PROMPTS):
         s.add_request(_req(f"r{i}", p))
-    res = _collect(s.run_until_idle())
+        outs += s.step()  # staggered arrivals: later prompts prefill while earlier ones decode
+    res = _collect(outs + s.run_until_idle())
     assert s.num_prefill_forwards > len(PROMPTS)
     for i in range(len(PROMPTS)):
         assert res[f"r{i}"]["ids"] == expected[i]
