@@ -3,7 +3,7 @@ the seeds' worked case through the CLI, and the JSON schema of issue 3.
 """
 
 SUITE = "unit-cpu"
-EST_TIME = 40
+EST_TIME = 25
 
 import copy
 import itertools

@@ -1,7 +1,7 @@
 """PagedTokenToKVPoolAllocator: slot range, whole pages, tail filling, free, and random op sequences."""
 
 SUITE = "unit-cpu"
-EST_TIME = 5
+EST_TIME = 8
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """configure_kv_cache_dtype: the one KV dtype resolver shared by the plan and the pools."""
 
 SUITE = "unit-cpu"
-EST_TIME = 2
+EST_TIME = 6
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """ReqToTokenPool and token→KV pools: shapes, exact bytes, round trips, meta-device builds."""
 
 SUITE = "unit-cpu"
-EST_TIME = 5
+EST_TIME = 8
 
 import pytest
 import torch

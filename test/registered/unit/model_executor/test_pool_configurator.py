@@ -6,7 +6,7 @@ hd = vhd = 128, bf16, 5-layer draft: target cell 65536 B; layer-ratio total 7577
 """
 
 SUITE = "unit-cpu"
-EST_TIME = 4
+EST_TIME = 8
 
 import dataclasses
 import os

@@ -5,7 +5,7 @@ The seeds' case (issue 3): an 8-KV-head, 5-layer, head_dim-128, bf16 DFLASH draf
 """
 
 SUITE = "unit-cpu"
-EST_TIME = 3
+EST_TIME = 8
 
 import json
 import os
