@@ -57,6 +57,12 @@ def pages_needed(prefix_len: int, extend_len: int, page_size: int) -> int:
     return -(-fresh // page_size) * page_size
 
 
+def decode_reserve(req: Req, new_token_ratio: float) -> int:
+    """KV slots to keep free for ``req``'s future decode tokens: a fraction of its remaining budget."""
+    remaining = max(0, req.sampling_params.max_new_tokens - len(req.output_ids))
+    return int(min(remaining, CLIP_MAX_NEW_TOKENS) * new_token_ratio)
+
+
 class AddResult(enum.Enum):
     """Outcome of offering one request to the budget."""
 
@@ -77,8 +83,7 @@ class PrefillBudget:
 
     def reserve_for(self, req: Req) -> int:
         """Estimated future decode tokens of ``req`` to keep free."""
-        remaining = max(0, req.sampling_params.max_new_tokens - len(req.output_ids))
-        return int(min(remaining, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+        return decode_reserve(req, self.new_token_ratio)
 
     def offer(self, req: Req, prefix_len: int) -> tuple[AddResult, int]:
         """Try to admit ``req``'s tokens after ``prefix_len``; return (result, tokens to prefill now)."""

@@ -3,9 +3,10 @@
 One ``step()``:
 1. assemble a prefill batch from the chunked request (if any) and the waiting queue (lpm / fcfs),
    bounded by free KV slots (+ evictable cache), ``max_running_requests`` and the chunk budget;
-2. if there is one, run it (prefill has priority, as in SGLang); otherwise run one decode step for
-   every running request, retracting requests (free their KV, requeue them) while the slots for the
-   step cannot be found even after evicting the prefix cache;
+2. if there is one, run it (prefill has priority, as in SGLang; with ``--enable-mixed-chunk`` the
+   running requests decode inside it); otherwise run one decode step for every running request,
+   retracting requests (a half-prefilled chunk first, then the least advanced decoding request: free
+   their KV, requeue them) while the step's slots cannot be found even after evicting the prefix cache;
 3. apply finish conditions token by token (a speculative step may return several tokens), release
    finished requests into the prefix cache, and return the new tokens as a ``BatchTokenIDOut``.
 
@@ -43,7 +44,14 @@ from sglite.srt.managers.io_struct import (
     finish_stop,
 )
 from sglite.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglite.srt.managers.schedule_policy import AddResult, PrefillBudget, SchedulePolicy, pages_needed, prefix_key
+from sglite.srt.managers.schedule_policy import (
+    AddResult,
+    PrefillBudget,
+    SchedulePolicy,
+    decode_reserve,
+    pages_needed,
+    prefix_key,
+)
 from sglite.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglite.srt.mem_cache.chunk_cache import ChunkCache
 from sglite.srt.mem_cache.radix_cache import RadixCache
@@ -234,9 +242,9 @@ class Scheduler:
     def _get_new_prefill_batch(self) -> Optional[ScheduleBatch]:
         if not self.waiting_queue and self.chunked_req is None:
             return None
-        running_reserve = sum(
-            PrefillBudget(0, None, self.page_size, self.new_token_ratio).reserve_for(r) for r in self.running
-        ) + len(self.running) * self.worker.num_decode_tokens_per_req
+        # Running requests keep room for their next decode step and a share of their remaining tokens.
+        running_reserve = sum(decode_reserve(r, self.new_token_ratio) for r in self.running)
+        running_reserve += len(self.running) * self.worker.num_decode_tokens_per_req
         mix = self.enable_mixed_chunk and bool(self.running)
         chunk_budget = self.chunked_prefill_size
         if mix and chunk_budget is not None:
