@@ -126,6 +126,16 @@ class MemoryPoolConfig:
         self.planned_pool_bytes = {p.name: p.planned_bytes for p in pool_plan.planned_pools()}
 
     @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The target KV dtype as a torch dtype (the field holds its name)."""
+        return getattr(torch, self.kv_cache_dtype)
+
+    @property
+    def draft_kv_cache_torch_dtype(self) -> Optional[torch.dtype]:
+        """The draft KV dtype as a torch dtype (None without a draft)."""
+        return None if self.draft_kv_cache_dtype is None else getattr(torch, self.draft_kv_cache_dtype)
+
+    @property
     def max_context_len(self) -> int:
         """Columns of the request→token table (context length plus speculative/page slack)."""
         return self.req_to_token_context_len

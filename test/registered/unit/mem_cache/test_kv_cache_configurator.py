@@ -166,6 +166,7 @@ def test_memory_pool_config_is_json_friendly(tmp_path):
     d = json.loads(json.dumps(dataclasses.asdict(cfg)))  # what /get_server_info sends
     assert d["max_total_num_tokens"] == cfg.max_total_num_tokens
     assert d["kv_cache_dtype"] == "float32" and d["draft_kv_cache_dtype"] == "float32"
+    assert cfg.kv_cache_torch_dtype is torch.float32 and cfg.draft_kv_cache_torch_dtype is torch.float32
     assert d["planned_pool_bytes"] == {p.name: p.planned_bytes for p in cfg.planned_pools()}
     assert pickle.loads(pickle.dumps(cfg)).plan == cfg.plan  # crosses process boundaries intact
 
