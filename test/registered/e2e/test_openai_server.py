@@ -243,6 +243,51 @@ def test_engine_equals_generate(tiny_model_dir):
         engine.shutdown()
 
 
+def test_behind_sglang_router(server, hf_model, hf_tokenizer, tmp_path):
+    """sglang-router (which re-serializes bodies and adds fields) in front of the server."""
+    pytest.importorskip("sglang_router")
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "router.log", "w")
+    router = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+         "--worker-urls", server.base, "--policy", "round_robin", "--api-key", API_KEY],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        rc = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Write one line of Python."}]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = rc.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+                break
+            except (openai.APIConnectionError, openai.InternalServerError, openai.NotFoundError):
+                if time.monotonic() > deadline or router.poll() is not None:
+                    raise
+                time.sleep(0.5)
+        ref = hf_greedy(hf_model, chat_ids(hf_tokenizer, messages), 12)
+        assert r.choices[0].message.content == hf_tokenizer.decode(ref, skip_special_tokens=True)
+        streamed = "".join(c.choices[0].text for c in rc.completions.create(
+            model="tiny", prompt="def main():", max_tokens=6, temperature=0, stream=True) if c.choices)
+        pids = hf_tokenizer.encode("def main():")
+        assert streamed == hf_tokenizer.decode(hf_greedy(hf_model, pids, 6), skip_special_tokens=True)
+        g = httpx.post(base + "/generate", headers=server.headers, timeout=60, json={
+            "input_ids": [31, 32, 33], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+        assert g["output_ids"] == hf_greedy(hf_model, [31, 32, 33], 6)
+        with pytest.raises(openai.BadRequestError):
+            rc.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=-1)
+    finally:
+        router.terminate()
+        router.wait(10)
+        log.close()
+
+
 def test_dead_scheduler_fails_health_and_exits(server):
     """Last: kill the scheduler; /health turns 503 and the server exits non-zero, naming the process."""
     pids = httpx.get(server.base + "/get_server_info", headers=server.headers).json()["process_pids"]
