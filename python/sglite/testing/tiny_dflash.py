@@ -306,12 +306,15 @@ def load_sglite_draft(draft_dir: str, hf_target):
     return model
 
 
-def draft_block_forward(model, contexts: list, anchors: list[int], *, pool_size: int = 256):
+def draft_block_forward(model, contexts: list, anchors: list[int], *, pool_size: int = 256, backend: str = "torch_native"):
     """Run one DRAFT_BLOCK forward of ``model`` over per-request context features; returns (output, forward batch).
 
     ``contexts[i]`` is a ``[n_i, K*H]`` feature tensor written as context K/V at positions ``0..n_i-1``.
+    ``backend`` is an ``--attention-backend`` name (triton on CPU needs TRITON_INTERPRET=1).
     """
-    from sglite.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from types import SimpleNamespace
+
+    from sglite.srt.layers.attention.registry import create_attention_backend
     from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglite.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglite.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
@@ -329,10 +332,10 @@ def draft_block_forward(model, contexts: list, anchors: list[int], *, pool_size:
         slots = allocator.alloc(n)
         req_pool.req_to_token[row, :n] = slots.to(req_pool.req_to_token.dtype)
         model.write_context_kv(feats, torch.arange(n), slots, pool)
-    backend = TorchNativeAttnBackend()
+    attn = create_attention_backend(backend, SimpleNamespace(device=torch.device("cpu")))
     reqs = [(row, c.shape[0], [a] + [model.mask_token_id] * (block - 1)) for row, c, a in zip(rows, contexts, anchors)]
     fb = build_forward_batch(
-        ForwardMode.DRAFT_BLOCK, reqs, req_to_token_pool=req_pool, token_to_kv_pool=pool, allocator=allocator, attn_backend=backend
+        ForwardMode.DRAFT_BLOCK, reqs, req_to_token_pool=req_pool, token_to_kv_pool=pool, allocator=allocator, attn_backend=attn
     )
-    backend.init_forward_metadata(fb)
+    attn.init_forward_metadata(fb)
     return model(fb.input_ids, fb.positions, fb), fb

@@ -9,16 +9,17 @@ from safetensors.torch import load_file
 
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import destroy_parallel_runtime, init_parallel_runtime
-from sglite.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglite.srt.layers.logits_processor import LogitsProcessor
-from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglite.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from sglite.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglite.srt.model_loader.weight_utils import WeightLoadingError
 from sglite.srt.models.dflash import DFlashDraftModel
 from sglite.srt.runtime_context import ParallelState, scoped
-from sglite.testing.tiny_dflash import TinyDraftSpec, build_tiny_dflash_draft, build_tiny_target, load_reference_pair
+from sglite.testing.tiny_dflash import (
+    TinyDraftSpec,
+    build_tiny_dflash_draft,
+    build_tiny_target,
+    draft_block_forward,
+    load_reference_pair,
+    load_sglite_draft,
+)
 
 SUITE = "unit-cpu"
 EST_TIME = 20
@@ -44,19 +45,6 @@ def one_rank():
             destroy_parallel_runtime()
 
 
-def load_sglite_draft(draft_dir: str, target) -> DFlashDraftModel:
-    cfg = ModelConfig.from_path(draft_dir)
-    model = DFlashDraftModel(cfg, params_dtype=torch.float32)
-    model.load_weights(load_file(os.path.join(draft_dir, "model.safetensors")).items())
-    vocab, hidden = target.config.vocab_size, target.config.hidden_size
-    embed = VocabParallelEmbedding(vocab, hidden, params_dtype=torch.float32)
-    embed.weight_loader(embed.weight, target.get_input_embeddings().weight.detach())
-    head = ParallelLMHead(vocab, hidden, params_dtype=torch.float32)
-    head.weight_loader(head.weight, target.lm_head.weight.detach())
-    model.attach_target_head(embed, head, LogitsProcessor(vocab))
-    return model
-
-
 def test_config_is_public_format(pair):
     _, draft_dir = pair
     raw = json.load(open(os.path.join(draft_dir, "config.json")))
@@ -68,46 +56,28 @@ def test_config_is_public_format(pair):
 
 
 @torch.no_grad()
-def test_block_forward_matches_reference(pair, one_rank):
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_block_forward_matches_reference(pair, one_rank, backend):
+    """Context KV via write_context_kv + one DRAFT_BLOCK forward == the package's draft on the same features."""
     target_dir, draft_dir = pair
     target, ref = load_reference_pair(target_dir, draft_dir)
     ours = load_sglite_draft(draft_dir, target)
     block = ours.block_size
-    ctx_lens = [7, 3]
     g = torch.Generator().manual_seed(3)
-    feats = [torch.randn(n, 2 * 64, generator=g) for n in ctx_lens]
+    feats = [torch.randn(n, 2 * 64, generator=g) for n in (7, 3)]
     anchors = [17, 250]
-
-    cfg = ours.config
-    size = 64
-    allocator = PagedTokenToKVPoolAllocator(size, 1, "cpu")
-    req_pool = ReqToTokenPool(4, 32, "cpu")
-    pool = MHATokenToKVPool(size, 1, torch.float32, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, cfg.num_hidden_layers, "cpu")
-    rows = req_pool.alloc(len(ctx_lens))
-    # Context KV at the "target's" slots.
-    for row, n, f in zip(rows, ctx_lens, feats):
-        slots = allocator.alloc(n)
-        req_pool.req_to_token[row, :n] = slots.to(req_pool.req_to_token.dtype)
-        ours.write_context_kv(f, torch.arange(n), slots, pool)
-    backend = TorchNativeAttnBackend()
-    reqs = [(row, n, [a] + [ours.mask_token_id] * (block - 1)) for row, n, a in zip(rows, ctx_lens, anchors)]
-    fb = build_forward_batch(
-        ForwardMode.DRAFT_BLOCK, reqs, req_to_token_pool=req_pool, token_to_kv_pool=pool, allocator=allocator, attn_backend=backend
-    )
-    backend.init_forward_metadata(fb)
-    out = ours(fb.input_ids, fb.positions, fb)
-    assert out.next_token_logits.shape == (len(ctx_lens) * block, 512)
-
+    out, _ = draft_block_forward(ours, feats, anchors, backend=backend)
+    assert out.next_token_logits.shape == (len(feats) * block, 512)
     embed = target.get_input_embeddings().weight
-    for i, (n, f, a) in enumerate(zip(ctx_lens, feats, anchors)):
+    for i, (f, a) in enumerate(zip(feats, anchors)):
+        n = f.shape[0]
         ids = torch.tensor([[a] + [ref.mask_token_id] * (block - 1)])
         ref_h = ref(
             position_ids=torch.arange(n + block)[None],
             noise_embedding=torch.nn.functional.embedding(ids, embed),
             target_hidden=f[None],
         )[0]
-        got = out.hidden_states[i * block : (i + 1) * block]
-        torch.testing.assert_close(got, ref_h, atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.hidden_states[i * block : (i + 1) * block], ref_h, atol=1e-4, rtol=0)
         ref_logits = ref.compute_logits(ref_h, target.lm_head)
         torch.testing.assert_close(out.next_token_logits[i * block : (i + 1) * block], ref_logits, atol=1e-4, rtol=0)
 
