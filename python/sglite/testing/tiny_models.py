@@ -69,6 +69,7 @@ def build_tiny_model(
     config = tiny_config(arch, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    _randomize_constant_init(model, config.initializer_range)
     os.makedirs(path, exist_ok=True)
     kwargs: dict[str, Any] = {}
     if max_shard_size is not None:
@@ -77,6 +78,17 @@ def build_tiny_model(
     if with_tokenizer:
         build_tiny_tokenizer(path)
     return path
+
+
+@torch.no_grad()
+def _randomize_constant_init(model, scale: float) -> None:
+    # transformers initialises biases to 0 and norm scales to 1; random values make a swapped or
+    # dropped bias / q_norm / k_norm visible in the equality tests instead of cancelling out.
+    for name, param in model.named_parameters():
+        if name.endswith(".bias"):
+            param.normal_(0.0, scale)
+        elif name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.2 * torch.randn_like(param))
 
 
 def load_hf_model(path: str):

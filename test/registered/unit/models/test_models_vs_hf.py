@@ -156,3 +156,14 @@ def test_tied_embeddings_and_llama3_rope(tmp_path, rank0):
     assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
     prompts = [list(range(1, 40)), [77, 78]]
     assert greedy_generate(runner, prompts, 32) == hf_greedy(hf, prompts, 32)
+
+
+def test_llama_with_attention_and_mlp_bias(tmp_path, rank0):
+    d = str(tmp_path / "bias")
+    build_tiny_model(d, "llama", seed=4, with_tokenizer=False, eos_token_id=None, attention_bias=True, mlp_bias=True)
+    hf = load_hf_model(d)
+    assert hf.model.layers[0].self_attn.o_proj.bias is not None and hf.model.layers[0].mlp.down_proj.bias is not None
+    runner = make_runner(d)
+    assert runner.model.model.layers[0].self_attn.o_proj.bias is not None
+    prompts = [list(range(100, 120)), [5, 6]]
+    assert greedy_generate(runner, prompts, 32) == hf_greedy(hf, prompts, 32)
