@@ -73,6 +73,7 @@ def test_health_models_and_info(server, client):
     st = info["internal_states"][0]
     assert st["available_kv_slots"] == st["initial_free_slots"] > 0
     assert "avg_spec_accept_length" in st and info["memory_plan"]["max_total_num_tokens"] == info["max_total_num_tokens"]
+    assert info["memory_plan_per_rank"] == [info["memory_plan"]]  # tp 1: one rank
     assert httpx.get(server.base + "/health_generate", headers=server.headers, timeout=60).status_code == 200
 
 

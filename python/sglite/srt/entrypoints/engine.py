@@ -41,8 +41,9 @@ class LaunchedRuntime:
     server_args: ServerArgs
     port_args: PortArgs
     tokenizer_manager: TokenizerManager
-    scheduler_info: SchedulerReady
+    scheduler_info: SchedulerReady  # rank 0's
     processes: list[tuple[str, Any]]  # (name, multiprocessing.Process)
+    rank_infos: list[SchedulerReady]  # every rank's, in rank order (per-rank memory plans)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the subprocesses (terminate, then kill) and remove the ipc dir."""
@@ -108,7 +109,7 @@ def launch_subprocesses(
         raise
     info = infos[0]
     tm = TokenizerManager(server_args, port_args, tokenizer, info, child_processes=processes)
-    return LaunchedRuntime(server_args, port_args, tm, info, processes)
+    return LaunchedRuntime(server_args, port_args, tm, info, processes, infos)
 
 
 def _wait_ready(name: str, proc: Any, reader: Any, timeout_s: float) -> SchedulerReady:
@@ -147,6 +148,7 @@ def server_info(runtime: LaunchedRuntime, internal_state: dict[str, Any]) -> dic
         "version": sglite.__version__,
         "scheduler_info": scheduler_info_dict(runtime.scheduler_info),
         "memory_plan": runtime.scheduler_info.memory_plan,
+        "memory_plan_per_rank": [info.memory_plan for info in runtime.rank_infos],
         "max_total_num_tokens": runtime.scheduler_info.max_total_num_tokens,
         "internal_states": [internal_state],
         "process_pids": {name: proc.pid for name, proc in runtime.processes},
