@@ -16,7 +16,7 @@ from sglite.srt.server_args import ServerArgs
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
-EST_TIME = 60
+EST_TIME = 90
 
 rng = random.Random(0)
 SYSTEM = [rng.randrange(3, 500) for _ in range(19)]
