@@ -84,6 +84,8 @@ class PairConfig:
     seed: int = 0
     num_threads: int = 1
     heldout_percent: int = 5
+    # >0: train on only the first N training files (quick smoke / reproducibility checks)
+    max_train_files: int = 0
     # tokenizer
     vocab_size: int = 4096
     # target
@@ -93,8 +95,8 @@ class PairConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 32
-    context_length: int = 512
-    target_steps: int = 600
+    context_length: int = 256
+    target_steps: int = 500
     target_batch_size: int = 8
     target_lr: float = 3e-3
     chat_fraction: float = 0.25
@@ -102,13 +104,13 @@ class PairConfig:
     # draft
     draft_layers: int = 2
     block_size: int = 8
-    num_trajectories: int = 1024
+    num_trajectories: int = 512
     prompt_min_tokens: int = 16
     prompt_max_tokens: int = 128
-    gen_tokens: int = 160
+    gen_tokens: int = 128
     gen_batch_size: int = 64
-    draft_steps: int = 2500
-    draft_batch_size: int = 16
+    draft_steps: int = 800
+    draft_batch_size: int = 8
     blocks_per_seq: int = 16
     draft_lr: float = 3e-3
     loss_decay_gamma: float = 4.0
@@ -562,6 +564,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     draft_dir.mkdir(parents=True, exist_ok=True)
 
     corpus = load_corpus(cfg.heldout_percent)
+    if cfg.max_train_files > 0:
+        corpus = CorpusSplit(train=corpus.train[: cfg.max_train_files], heldout=corpus.heldout)
     train_texts = [t for _, t in corpus.train]
     print(f"corpus {stdlib_root()}: {len(corpus.train)} train files, {len(corpus.heldout)} held-out files", flush=True)
 
