@@ -232,3 +232,27 @@ def test_flush_cache_and_abort_routes(fake_server):
     assert httpx.post(fake_server.base + "/flush_cache", headers=h).json()["success"] is True
     assert httpx.post(fake_server.base + "/abort_request", json={"rid": "nope"}, headers=h).status_code == 200
     assert httpx.get(fake_server.base + "/health_generate", headers=h).status_code == 200
+
+
+def test_children_exit_when_the_server_is_killed(fake_server):
+    """Last: SIGKILL the HTTP process (no cleanup runs); the scheduler and detokenizer must not be orphaned."""
+    import os
+    import signal
+    import time
+
+    pids = httpx.get(fake_server.base + "/get_server_info", headers=fake_server.headers).json()["process_pids"]
+    assert set(pids) == {"scheduler rank 0", "detokenizer"}
+    os.kill(fake_server.proc.pid, signal.SIGKILL)
+    fake_server.proc.wait(10)
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in pids.values()):
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids.values()), pids
