@@ -188,6 +188,7 @@ def build_tiny_dspark_draft(
     markov_scale: float = 1.0,
     seed: int = 2,
     enable_confidence_head: bool = False,
+    confidence_head_with_markov: bool = False,
 ) -> str:
     """Save a DSPARK draft in the public config format: the DFLASH draft's weights + a Markov head.
 
@@ -208,6 +209,7 @@ def build_tiny_dspark_draft(
         markov_rank=markov_rank,
         markov_head_type="vanilla",
         enable_confidence_head=enable_confidence_head,
+        confidence_head_with_markov=confidence_head_with_markov,
     )
     cfg.pop("auto_map", None)
     weights = load_file(os.path.join(dflash_draft_dir, "model.safetensors"))
@@ -216,7 +218,8 @@ def build_tiny_dspark_draft(
     weights["markov_w1.weight"] = torch.randn(vocab, markov_rank, generator=g) * markov_scale
     weights["markov_w2.weight"] = torch.randn(vocab, markov_rank, generator=g) * markov_scale
     if enable_confidence_head:
-        weights["confidence_head.weight"] = torch.randn(1, hidden, generator=g) * 0.1
+        width = hidden + (markov_rank if confidence_head_with_markov else 0)
+        weights["confidence_head.weight"] = torch.randn(1, width, generator=g) * 0.1
     os.makedirs(path, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -240,10 +243,10 @@ def reference_block_generate(
     truncating output to the budget) and returns (generated ids, tokens committed per verify step).
     Tests check it against `dflash_generate` itself.
     """
-    from dflash.model import _crop_to, _make_cache, extract_context_feature
+    from dflash.model import _crop_to, _draft_value, _make_cache, _output_head, _raw_input_embeddings, extract_context_feature
 
     block = draft.block_size if block_size is None else block_size
-    embed = target.get_input_embeddings().weight
+    embed_scale = float(_draft_value(draft.config, "input_embedding_scale", 1.0))
     n_in = len(input_ids)
     ids = torch.tensor([input_ids])
     tcache, dcache = _make_cache(target.config), _make_cache(draft.config)
@@ -260,13 +263,13 @@ def reference_block_generate(
         ctx = hidden.shape[1]
         dh = draft(
             target_hidden=hidden,
-            noise_embedding=torch.nn.functional.embedding(blk, embed),
+            noise_embedding=_raw_input_embeddings(target, blk, embed_scale),
             position_ids=torch.arange(start - ctx, start + block)[None],
             past_key_values=dcache,
             use_cache=True,
         )[:, 1:]
         _crop_to(dcache, start)
-        blk[0, 1:] = target.lm_head(dh)[0].argmax(-1)
+        blk[0, 1:] = draft.compute_logits(dh, _output_head(target))[0].argmax(-1)
         vo = target(blk, position_ids=torch.arange(start, start + block)[None], past_key_values=tcache, use_cache=True, output_hidden_states=True)
         post = vo.logits[0].argmax(-1)
         acc = int((blk[0, 1:] == post[:-1]).to(torch.int64).cumprod(0).sum())

@@ -106,3 +106,30 @@ def test_default_target_layer_rule(tmp_path):
 
     assert cfg.draft.target_layer_ids == build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert cfg.draft.block_size == 16
+
+
+@torch.no_grad()
+def test_optional_scales_match_reference(pair, one_rank, tmp_path):
+    """input_embedding_scale, output_multiplier and final_logit_softcapping (dflash_config) as the package applies them."""
+    import shutil
+
+    from dflash.model import _output_head, _raw_input_embeddings
+
+    target_dir, draft_dir = pair
+    scaled = str(tmp_path / "scaled")
+    shutil.copytree(draft_dir, scaled)
+    cfg_path = os.path.join(scaled, "config.json")
+    raw = json.load(open(cfg_path))
+    raw["dflash_config"].update(input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=3.0)
+    json.dump(raw, open(cfg_path, "w"))
+    target, ref = load_reference_pair(target_dir, scaled)
+    ours = load_sglite_draft(scaled, target)
+    f = torch.randn(5, 2 * 64, generator=torch.Generator().manual_seed(8))
+    out, _ = draft_block_forward(ours, [f], [99])
+    block = ours.block_size
+    ids = torch.tensor([[99] + [ref.mask_token_id] * (block - 1)])
+    ref_h = ref(position_ids=torch.arange(5 + block)[None], noise_embedding=_raw_input_embeddings(target, ids, 2.0), target_hidden=f[None])[0]
+    torch.testing.assert_close(out.hidden_states, ref_h, atol=1e-4, rtol=0)
+    ref_logits = ref.compute_logits(ref_h, _output_head(target))
+    torch.testing.assert_close(out.next_token_logits, ref_logits, atol=1e-4, rtol=0)
+    assert float(out.next_token_logits.abs().max()) <= 3.0  # soft-capped

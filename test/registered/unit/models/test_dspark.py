@@ -116,3 +116,20 @@ def test_markov_head_drafts_the_hand_computed_chain(drafts, one_rank):
         assert ours[i].tolist() == expected
         changed |= expected != logits[1:].argmax(-1).tolist()
     assert changed, "the Markov bias should change at least one draft in this case"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("with_markov", [False, True])
+def test_confidence_head(drafts, one_rank, tmp_path, with_markov):
+    target_dir, dflash_dir, _, _ = drafts
+    d = build_tiny_dspark_draft(
+        str(tmp_path / "conf"), dflash_dir, markov_rank=8, enable_confidence_head=True, confidence_head_with_markov=with_markov
+    )
+    target, _ = load_reference_pair(target_dir, dflash_dir)
+    model = load_sglite_draft(d, target)
+    w = load_file(os.path.join(d, "model.safetensors"))
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    prev = torch.tensor([1, 2, 3, 4, 5])
+    x = torch.cat([hidden, w["markov_w1.weight"][prev]], dim=-1) if with_markov else hidden
+    expected = torch.sigmoid(x @ w["confidence_head.weight"][0])
+    torch.testing.assert_close(model.confidence(hidden, prev), expected)
