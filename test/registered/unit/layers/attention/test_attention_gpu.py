@@ -1,7 +1,7 @@
 """GPU suite: compiled Triton kernels (and flashinfer when installed) equal torch_native on CUDA, bf16 included."""
 
 SUITE = "gpu"
-EST_TIME = 120
+EST_TIME = 150
 
 import importlib.util
 import itertools
@@ -61,8 +61,8 @@ def _check(backend_name, mode, page_size, num_kv_heads, group, head_dim, dtype, 
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
-# bf16 over the full product; fp16 / fp32 over one page size and GQA ratio (each new dtype, GQA ratio
-# and head dim compiles and autotunes fresh kernel variants, which dominates this file's time).
+# bf16 over the full product; fp16 / fp32 over one page size and GQA ratio (each new dtype, head dim
+# and mask kind compiles a fresh kernel variant, which dominates this file's time).
 CASES = list(itertools.product(MODES, [1, 16], GQA, [64, 128], [torch.bfloat16])) + list(
     itertools.product(MODES, [16], [GQA[1]], [64, 128], [torch.float16, torch.float32])
 )
@@ -82,7 +82,7 @@ def test_triton_sliding_window_and_v_head_dim_cuda(mode):
     _check("triton", mode, 1, 2, 4, 128, torch.bfloat16, v_head_dim=64)
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=lambda m: m.name)
 def test_autotuned_triton_equals_torch_native_cuda(mode, monkeypatch):
     monkeypatch.setenv("SGLITE_TRITON_AUTOTUNE", "1")
     _check("triton", mode, 16, 2, 4, 128, torch.bfloat16)

@@ -70,14 +70,14 @@ def compile_attention_kernels(arch: int = 90, dtype: str = "bf16", kv_dtype: str
         build(
             extend_attention._extend_kernel,
             {"Q": "*" + dtype, "O": "*" + dtype, "Prefix_lens": "*i64", "Extend_lens": "*i64", "Q_start": "*i64", **kv_ptrs},
-            dict(GROUP=group, HEAD_DIM=head_dim, V_HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d, CAUSAL=causal,
+            dict(HEAD_DIM=head_dim, V_HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d, CAUSAL=causal,
                  USE_WINDOW=not causal, DOT_FP32=dot_fp32, BLOCK_M=64, BLOCK_N=64),
             f"q={dtype} kv={kv_dtype} causal={causal}",
         )
     build(
         decode_attention._decode_kernel,
         {"Q": "*" + dtype, "Seq_lens": "*i64", "Mid_O": "*fp32", "Mid_LSE": "*fp32", **kv_ptrs},
-        dict(GROUP=group, BLOCKS_PER_GROUP=1, HEAD_DIM=head_dim, V_HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
+        dict(HEAD_DIM=head_dim, V_HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
              BLOCK_H=decode_attention.decode_block_h(group), NUM_SPLITS=8, USE_WINDOW=True, DOT_FP32=dot_fp32, BLOCK_N=64),
         f"q={dtype} kv={kv_dtype}",
     )

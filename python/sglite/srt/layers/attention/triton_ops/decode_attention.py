@@ -49,8 +49,8 @@ def _decode_split_kernel(
     stride_mo_s,
     stride_ml_b,
     stride_ml_h,
-    GROUP: tl.constexpr,
-    BLOCKS_PER_GROUP: tl.constexpr,
+    group,
+    blocks_per_group,
     HEAD_DIM: tl.constexpr,
     V_HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -64,10 +64,10 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     hblk = tl.program_id(1)
     split = tl.program_id(2)
-    kvh = hblk // BLOCKS_PER_GROUP
-    offs_g = (hblk % BLOCKS_PER_GROUP) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_g < GROUP
-    heads = kvh * GROUP + offs_g
+    kvh = hblk // blocks_per_group
+    offs_g = (hblk % blocks_per_group) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_g < group
+    heads = kvh * group + offs_g
 
     seq_len = tl.load(Seq_lens + b)
     row = tl.load(Req_pool_indices + b).to(tl.int64)
@@ -166,7 +166,7 @@ if not INTERPRET:
             triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bn, w, s in [(32, 4, 2), (64, 4, 2), (128, 4, 2), (64, 8, 3)]
         ],
-        key=["GROUP", "HEAD_DIM", "V_HEAD_DIM", "NUM_SPLITS", "USE_WINDOW", "DOT_FP32"],
+        key=["HEAD_DIM", "V_HEAD_DIM", "BLOCK_H", "NUM_SPLITS", "USE_WINDOW", "DOT_FP32"],
     )(_decode_split_kernel)
 _decode_kernel = _decode_kernel_tuned if _decode_kernel_tuned is not None else _decode_split_kernel
 
@@ -215,8 +215,6 @@ def decode_attention_fwd(
     blocks_per_group = triton.cdiv(group, block_h)
     block_dv = head_block(v_head_dim)
     meta = dict(
-        GROUP=group,
-        BLOCKS_PER_GROUP=blocks_per_group,
         HEAD_DIM=head_dim,
         V_HEAD_DIM=v_head_dim,
         BLOCK_D=head_block(head_dim),
@@ -234,6 +232,7 @@ def decode_attention_fwd(
         sm_scale * LOG2E, 0 if sliding_window is None else sliding_window,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        group, blocks_per_group,
         **meta,
     )
     _decode_merge_kernel[(bs, num_heads)](

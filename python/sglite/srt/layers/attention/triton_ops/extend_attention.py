@@ -47,7 +47,7 @@ def _extend_attn_kernel(
     stride_vs,
     stride_vh,
     stride_r2t,
-    GROUP: tl.constexpr,
+    group,
     HEAD_DIM: tl.constexpr,
     V_HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -68,7 +68,7 @@ def _extend_attn_kernel(
     q_start = tl.load(Q_start + b)
     row = tl.load(Req_pool_indices + b).to(tl.int64)
     seq_len = prefix + n_new
-    kvh = h // GROUP
+    kvh = h // group
 
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -142,7 +142,7 @@ if not INTERPRET:
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2)]
         ],
-        key=["GROUP", "HEAD_DIM", "V_HEAD_DIM", "CAUSAL", "USE_WINDOW", "DOT_FP32"],
+        key=["HEAD_DIM", "V_HEAD_DIM", "CAUSAL", "USE_WINDOW", "DOT_FP32"],
     )(_extend_attn_kernel)
 # The kernel object aot_check compiles (the autotuned wrapper where there is one).
 _extend_kernel = _extend_kernel_tuned if _extend_kernel_tuned is not None else _extend_attn_kernel
@@ -172,7 +172,6 @@ def extend_attention_fwd(
     if bs == 0 or max_extend_len == 0:
         return
     meta = dict(
-        GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         V_HEAD_DIM=v_head_dim,
         BLOCK_D=head_block(head_dim),
@@ -193,5 +192,6 @@ def extend_attention_fwd(
         sm_scale * LOG2E, 0 if sliding_window is None else sliding_window,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
+        num_heads // num_kv_heads,
         **meta,
     )
