@@ -14,7 +14,7 @@ from sglite.testing.tiny_dflash import TinyDraftSpec, build_tiny_dflash_draft, b
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
-EST_TIME = 15
+EST_TIME = 20
 
 
 @pytest.fixture()

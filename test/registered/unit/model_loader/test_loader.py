@@ -16,7 +16,7 @@ from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.testing.tiny_models import build_tiny_model
 
 SUITE = "unit-cpu"
-EST_TIME = 12
+EST_TIME = 15
 
 
 @pytest.fixture()

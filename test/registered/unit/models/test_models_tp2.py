@@ -10,7 +10,7 @@ from sglite.testing.runner_generate import greedy_generate
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
-EST_TIME = 40
+EST_TIME = 60
 
 PROMPTS = [[5, 17, 300, 41, 7, 99, 250], [100, 200, 300], list(range(60, 84)), [42]]
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18]

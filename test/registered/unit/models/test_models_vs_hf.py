@@ -14,7 +14,7 @@ from sglite.testing.runner_generate import greedy_generate
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
-EST_TIME = 40
+EST_TIME = 55
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 PROMPTS = [[5, 17, 300, 41, 7, 99, 250], [100, 200, 300], list(range(60, 84)), [42]]
