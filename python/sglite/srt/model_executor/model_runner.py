@@ -108,7 +108,7 @@ class ModelRunner:
                 is_draft=True,
                 target_pools=target_runner.kv_pools,
             )
-            self.kv_cache_dtype = self.memory_pool_config.draft_kv_cache_dtype
+            self.kv_cache_dtype = self.memory_pool_config.draft_kv_cache_torch_dtype
         else:
             self.spec_aux_config = resolve_spec_aux_hidden_state(server_args, self.model_config, model_dtype=self.dtype)
             configurator = KVCacheConfigurator(
@@ -124,7 +124,7 @@ class ModelRunner:
             else:
                 self.memory_pool_config = configurator.configure(tp_group=tp_group)
             pools = build_pools(self.memory_pool_config, self.model_config, device=str(self.device))
-            self.kv_cache_dtype = self.memory_pool_config.kv_cache_dtype
+            self.kv_cache_dtype = self.memory_pool_config.kv_cache_torch_dtype
         self.kv_pools = pools
         self.token_to_kv_pool = pools.token_to_kv_pool
         self.req_to_token_pool = pools.req_to_token_pool

@@ -53,6 +53,8 @@ def test_pools_follow_the_memory_plan(model_dir, rank0):
     assert plan.planned_total_bytes() <= 1 << 20
     assert runner.spec_aux_config.has_draft is False
     assert runner.dtype == torch.float32 and runner.device == torch.device("cpu")
+    # The runner's KV dtype is the torch dtype its pool stores (the plan keeps the name, for JSON).
+    assert runner.kv_cache_dtype == torch.float32 == runner.token_to_kv_pool.dtype
 
 
 def test_sample_and_forward_batch_helper(model_dir, rank0):
@@ -104,6 +106,7 @@ def test_draft_runner_shares_allocator_and_table(dflash_pair, rank0):
     assert draft.token_to_kv_pool is not target.token_to_kv_pool
     assert draft.token_to_kv_pool.layer_num == 2 and target.token_to_kv_pool.layer_num == 4
     assert draft.token_to_kv_pool.size == target.token_to_kv_pool.size
+    assert draft.kv_cache_dtype == torch.float32 == draft.token_to_kv_pool.dtype
     assert draft.model.get_embed_tokens() is target.model.get_embed_tokens()
     assert draft.model.get_lm_head() is target.model.get_lm_head()
 
