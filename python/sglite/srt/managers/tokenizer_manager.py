@@ -129,7 +129,15 @@ class TokenizerManager:
             parts = obj.split()
         except ValueError as e:
             raise RequestValidationError(str(e)) from None
-        return [self.tokenize_one(p, fill_context=fill_context) for p in parts]
+        tokenized = [self.tokenize_one(p, fill_context=fill_context) for p in parts]
+        self._check_rids_free(tokenized)
+        return tokenized
+
+    def _check_rids_free(self, tokenized: list[TokenizedGenerateReqInput]) -> None:
+        rids = [t.rid for t in tokenized]
+        for rid in rids:
+            if rid in self.rid_to_state or rids.count(rid) > 1:
+                raise RequestValidationError(f"rid {rid!r} is already in use", "rid")
 
     def tokenize_one(self, obj: GenerateReqInput, *, fill_context: bool = False) -> TokenizedGenerateReqInput:
         """Validate a single (non-batch) request and turn it into the scheduler's message."""
@@ -218,6 +226,8 @@ class TokenizerManager:
         self._ensure_running()
         if tokenized is None:
             tokenized = self.tokenize_request(obj)
+        else:
+            self._check_rids_free(tokenized)  # all or nothing: a clash must not leave half a batch running
         states = [self._send(t) for t in tokenized]
         if len(states) == 1:
             async for out in self._wait_one(states[0], 0):
@@ -254,8 +264,6 @@ class TokenizerManager:
                     self.abort_request(st.rid)
 
     def _send(self, req: TokenizedGenerateReqInput) -> ReqState:
-        if req.rid in self.rid_to_state:
-            raise RequestValidationError(f"rid {req.rid!r} is already in use", "rid")
         state = ReqState(rid=req.rid, prompt_tokens=len(req.input_ids), stream=req.stream, created_time=time.time())
         self.rid_to_state[req.rid] = state
         self.send_to_scheduler.send_pyobj(req)

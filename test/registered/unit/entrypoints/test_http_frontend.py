@@ -15,7 +15,7 @@ from fake_scheduler import CONTEXT_LEN, TOTAL_SLOTS, fake_next_token
 from sglite.testing.bad_requests import malformed_requests
 
 SUITE = "unit-cpu"
-EST_TIME = 45
+EST_TIME = 70
 
 pytestmark = pytest.mark.timeout(180)
 

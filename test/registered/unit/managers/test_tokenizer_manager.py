@@ -164,3 +164,16 @@ async def test_batch_is_validated_before_anything_is_sent(tm_and_sched):
         async for _ in tm.generate_request(obj):
             pass
     assert recv_all(sched, 100) == []
+
+
+async def test_rid_clash_is_rejected_before_sending(tm_and_sched):
+    tm, sched = tm_and_sched
+    task = asyncio.ensure_future(tm.generate_request(GenerateReqInput(input_ids=[5], rid="dup")).__anext__())
+    await asyncio.sleep(0.05)
+    assert len(recv_all(sched)) == 1
+    with pytest.raises(RequestValidationError, match="already in use"):
+        tm.tokenize_request(GenerateReqInput(input_ids=[[5], [6]], rid=["new", "dup"]))
+    with pytest.raises(RequestValidationError, match="already in use"):
+        tm.tokenize_request(GenerateReqInput(input_ids=[[5], [6]], rid=["same", "same"]))
+    assert recv_all(sched, 100) == [] and set(tm.rid_to_state) == {"dup"}
+    task.cancel()
