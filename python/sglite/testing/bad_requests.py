@@ -85,4 +85,5 @@ def malformed_requests(model: str, context_len: int) -> list[BadRequest]:
         BadRequest("generate batch rid mismatch", gen, body={"text": ["a", "b"], "rid": ["only-one"]}),
         BadRequest("generate not json", gen, raw="{oops"),
         BadRequest("abort without rid", "/abort_request", body={}),
+        BadRequest("generate return_logprob (unsupported)", gen, body={"text": "a", "return_logprob": True}),
     ]

@@ -154,6 +154,9 @@ class TokenizerManager:
             input_ids = self.tokenizer.encode(input_text)
         if not input_ids:
             raise RequestValidationError("the prompt is empty (0 tokens)", "prompt")
+        if obj.return_logprob:
+            # The scheduler does not compute logprobs yet; refusing beats answering without them.
+            raise RequestValidationError("return_logprob is not supported by this server", "return_logprob")
         sp_dict = dict(obj.sampling_params or {})  # type: ignore[arg-type]
         try:
             params = SamplingParams.from_dict(sp_dict)
