@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig
+from sglite.srt.distributed.parallel_state import GroupCoordinator
 from sglite.srt.layers.activation import SiluAndMul
 from sglite.srt.layers.attention.radix_attention import RadixAttention
 from sglite.srt.layers.layernorm import RMSNorm
@@ -37,12 +38,15 @@ from sglite.srt.model_loader.weight_utils import (
     expected_loads,
     load_named_weights,
 )
+from sglite.srt.models.llama import model_tp_group
 
 
 class DFlashAttention(nn.Module):
     """Self-attention of one draft layer; also projects context features into this layer's K/V."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, params_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, tp_group: GroupCoordinator, params_dtype: Optional[torch.dtype] = None
+    ) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -52,12 +56,14 @@ class DFlashAttention(nn.Module):
             config.num_key_value_heads,
             bias=config.attention_bias,
             params_dtype=params_dtype,
+            tp_group=tp_group,
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim,
             config.hidden_size,
             bias=config.attention_bias,
             params_dtype=params_dtype,
+            tp_group=tp_group,
         )
         self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, params_dtype=params_dtype)
         self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, params_dtype=params_dtype)
@@ -100,13 +106,17 @@ class DFlashAttention(nn.Module):
 class DFlashMLP(nn.Module):
     """SiLU-gated MLP."""
 
-    def __init__(self, config: ModelConfig, params_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self, config: ModelConfig, tp_group: GroupCoordinator, params_dtype: Optional[torch.dtype] = None
+    ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"DFLASH draft: hidden_act {config.hidden_act!r} is not supported (only silu)")
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=False, params_dtype=params_dtype)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, params_dtype=params_dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=False, params_dtype=params_dtype, tp_group=tp_group
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, params_dtype=params_dtype, tp_group=tp_group)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,10 +127,12 @@ class DFlashMLP(nn.Module):
 class DFlashDecoderLayer(nn.Module):
     """Pre-norm attention + MLP block."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, params_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, tp_group: GroupCoordinator, params_dtype: Optional[torch.dtype] = None
+    ) -> None:
         super().__init__()
-        self.self_attn = DFlashAttention(config, layer_id, params_dtype)
-        self.mlp = DFlashMLP(config, params_dtype)
+        self.self_attn = DFlashAttention(config, layer_id, tp_group, params_dtype)
+        self.mlp = DFlashMLP(config, tp_group, params_dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, params_dtype=params_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, params_dtype=params_dtype)
 
@@ -151,8 +163,10 @@ class DFlashDraftModel(nn.Module):
         self.mask_token_id = config.draft.mask_token_id
         self.target_layer_ids = list(config.draft.target_layer_ids)
         hidden = config.hidden_size
+        # Sharded like the target (its attention-TP group), so the draft pool's heads per rank match.
+        tp_group = model_tp_group()
         self.layers = nn.ModuleList(
-            [DFlashDecoderLayer(config, i, params_dtype) for i in range(config.num_hidden_layers)]
+            [DFlashDecoderLayer(config, i, tp_group, params_dtype) for i in range(config.num_hidden_layers)]
         )
         self.fc = ReplicatedLinear(len(self.target_layer_ids) * hidden, hidden, bias=False, params_dtype=params_dtype)
         self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps, params_dtype=params_dtype)

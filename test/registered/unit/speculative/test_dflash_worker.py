@@ -396,3 +396,33 @@ def test_num_draft_tokens_flag_overrides_the_checkpoint_block(trained):
         ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new, block_size=3)
         assert run.ids[f"r{i}"] == ref_ids
         assert run.steps[f"r{i}"][1:] == ref_lens and max(ref_lens) <= 3
+
+
+def _dp_attention_rank_main(rank: int, world_size: int, init_method: str, target_dir: str, draft_dir: str, prompts, max_new):
+    args = spec_args(target_dir, draft_dir, tp_size=2, dp_size=2, enable_dp_attention=True)
+    worker = create_dflash_worker(args, rank=rank, world_size=world_size, dist_init_method=init_method)
+    # Each attention-DP rank serves its own requests with a whole replica (attn_tp 1).
+    run = generate(Scheduler(args, worker), prompts[rank :: 2], [greedy(max_new)] * len(prompts[rank :: 2]))
+    attn = worker.draft_model.layers[0].self_attn
+    return {
+        "ids": [run.ids[f"r{i}"] for i in range(len(prompts[rank :: 2]))],
+        "steps": [run.steps[f"r{i}"] for i in range(len(prompts[rank :: 2]))],
+        "draft_local_heads": (attn.num_heads, attn.num_kv_heads),
+        "draft_pool_heads": worker.draft_runner.token_to_kv_pool.head_num,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_dp_attention_draft_is_sharded_at_attn_tp(trained):
+    """tp 2 / dp 2 with DP attention: attn_tp is 1, so each rank keeps every draft head (and prices them)."""
+    from sglite.srt.distributed.local_launch import run_local_ranks
+
+    target_dir, tr, target, draft = trained
+    prompts = [tr.prompts[0], tr.prompts[1], random_prompts(1, seed=21)[0]]
+    max_new = 13
+    results = run_local_ranks(_dp_attention_rank_main, 2, target_dir, tr.draft_dir, prompts, max_new, timeout_s=240)
+    for rank, res in enumerate(results):
+        assert res["draft_local_heads"] == (4, 2) and res["draft_pool_heads"] == 2
+        for ids, steps, p in zip(res["ids"], res["steps"], prompts[rank::2]):
+            ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new)
+            assert ids == ref_ids and steps[1:] == ref_lens
