@@ -22,7 +22,7 @@ from sglite.testing.tiny_dflash import (
 )
 
 SUITE = "unit-cpu"
-EST_TIME = 15
+EST_TIME = 20
 
 PUBLIC_DSPARK = "/work/shared/model_configs/dspark-qwen3-8b-block7.json"
 

@@ -27,7 +27,7 @@ from sglite.testing.tiny_dflash import (
 )
 
 SUITE = "unit-cpu"
-EST_TIME = 150
+EST_TIME = 90
 
 BLOCK = 4
 
