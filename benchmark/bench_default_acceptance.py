@@ -9,7 +9,13 @@ temperature 0 with block size B (default: the draft's, 8). Acceptance length per
 "accept length"; the mean is total committed tokens / verify steps. Each output is also checked
 token-for-token against plain greedy decoding of the target (`generate(do_sample=False)`).
 
-    .venv/bin/python benchmark/bench_default_acceptance.py            # shipped pair, 32 prompts
+With ``--engine sglite`` the same prompts go through ``sglite.Engine`` (DFLASH on, CPU, one batch);
+acceptance per request = its ``completion_tokens / spec_verify_ct`` (SGLang's definition, which counts
+the prefill's first token too) and, comparable with the reference loop, ``(completion_tokens - 1) /
+spec_verify_ct``; outputs are checked against target greedy as well.
+
+    .venv/bin/python benchmark/bench_default_acceptance.py                  # shipped pair, 32 prompts
+    .venv/bin/python benchmark/bench_default_acceptance.py --engine sglite  # through sglite's DFLASH worker
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import random
 import sys
 import time
@@ -65,6 +72,7 @@ class PromptResult:
 class BenchResult:
     """Aggregate numbers printed as JSON."""
 
+    engine: str
     model_path: str
     draft_path: str
     block_size: int
@@ -109,10 +117,8 @@ def run_dflash(draft, target, prompt: Prompt, max_new_tokens: int, block_size: i
         draft, target, ids, max_new_tokens=max_new_tokens, stop_token_ids=[eos_id],
         temperature=0.0, block_size=block_size, return_stats=True,
     )
-    with torch.inference_mode():
-        ref = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=eos_id)
     spec_out = stats.output_ids[0, ids.shape[1] :].tolist()
-    ref_out = ref[0, ids.shape[1] :].tolist()
+    ref_out = reference_greedy(target, prompt, max_new_tokens, eos_id)
     return PromptResult(
         kind=prompt.kind,
         prompt_tokens=ids.shape[1],
@@ -120,6 +126,65 @@ def run_dflash(draft, target, prompt: Prompt, max_new_tokens: int, block_size: i
         acceptance_lengths=[int(a) for a in stats.acceptance_lengths],
         matches_greedy=spec_out == ref_out,
     )
+
+
+def reference_greedy(target, prompt: Prompt, max_new_tokens: int, eos_id: int) -> list[int]:
+    """Plain greedy decode of the target, up to and including the first eos."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt.input_ids])
+        out = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=eos_id)
+    gen = out[0, ids.shape[1] :].tolist()
+    return gen[: gen.index(eos_id) + 1] if eos_id in gen else gen
+
+
+def run_sglite(args, target, prompts: list[Prompt], block_size: int, eos_id: int) -> dict:
+    """All prompts in one batch through sglite.Engine with DFLASH; per-request acceptance from meta_info."""
+    import sglite
+
+    for key, value in {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+        os.environ.setdefault(key, value)
+    refs = [reference_greedy(target, p, args.max_new_tokens, eos_id) for p in tqdm(prompts, desc="reference greedy")]
+    engine = sglite.Engine(
+        model_path=args.model_path,
+        speculative_algorithm="DFLASH",
+        speculative_draft_model_path=args.draft_path,
+        speculative_num_draft_tokens=block_size,
+        device="cpu",
+    )
+    try:
+        t0 = time.perf_counter()
+        outs = engine.generate(
+            input_ids=[p.input_ids for p in prompts],
+            sampling_params={"max_new_tokens": args.max_new_tokens, "temperature": 0},
+        )
+        wall = time.perf_counter() - t0
+        server_avg = engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
+    finally:
+        engine.shutdown()
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    verify = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    by_kind = {}
+    for kind in sorted({p.kind for p in prompts}):
+        sel = [o for o, p in zip(outs, prompts) if p.kind == kind]
+        by_kind[kind] = round(
+            sum(o["meta_info"]["completion_tokens"] - 1 for o in sel) / sum(o["meta_info"]["spec_verify_ct"] for o in sel), 4
+        )
+    return {
+        "engine": "sglite",
+        "model_path": args.model_path,
+        "draft_path": args.draft_path,
+        "block_size": block_size,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "mean_acceptance_length": round((completion - len(outs)) / verify, 4),
+        "mean_acceptance_length_by_kind": by_kind,
+        "sglang_accept_length": round(completion / verify, 4),
+        "server_avg_spec_accept_length": server_avg,
+        "verify_steps": verify,
+        "output_tokens": completion,
+        "greedy_exact_matches": sum(o["output_ids"] == r for o, r in zip(outs, refs)),
+        "wall_seconds": round(wall, 1),
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -135,6 +200,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--per-prompt", action="store_true", help="include per-prompt results in the JSON")
+    parser.add_argument("--engine", choices=["dflash", "sglite"], default="dflash",
+                        help="dflash: the z-lab reference loop (batch 1); sglite: sglite.Engine with DFLASH")
     args = parser.parse_args(argv)
 
     import dflash.model as dm
@@ -152,6 +219,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     train_mod = load_training_module()
     prompts = heldout_prompts(train_mod, tokenizer, args.num_prompts, args.seed, args.prompt_min_tokens, args.prompt_max_tokens)
+    if args.engine == "sglite":
+        print(json.dumps(run_sglite(args, target, prompts, block_size, tokenizer.eos_token_id), indent=2))
+        return
     t0 = time.perf_counter()
     results = [
         run_dflash(draft, target, p, args.max_new_tokens, block_size, tokenizer.eos_token_id)
@@ -165,6 +235,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     hist = Counter(a for r in results for a in r.acceptance_lengths)
     summary = BenchResult(
+        engine="dflash",
         model_path=args.model_path,
         draft_path=args.draft_path,
         block_size=block_size,
