@@ -187,3 +187,65 @@ def test_random_workload_matches_dict_model(page_size):
     assert cache.total_size() == len(ref) * p
     cache.evict(10**6)
     assert alloc.available_size() == start
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_random_insert_lock_evict_against_slot_owner_map(page_size):
+    """Interleaved finishes, locks and evictions. A map slot -> token prefix it caches (filled on
+    insert, emptied when the cache frees a slot) must agree with every match; locked paths survive."""
+    rng = random.Random(77 + page_size)
+    alloc, cache = _make(page_size, size=512)
+    start = alloc.available_size()
+    owner: dict[int, tuple] = {}  # slot -> prefix of tokens ending at that slot
+    real_free = alloc.free
+
+    def tracking_free(idx):
+        for s in idx.tolist():
+            owner.pop(int(s), None)
+        real_free(idx)
+
+    alloc.free = tracking_free
+    locks: list = []  # (node, key, indices) held
+    for _ in range(400):
+        op = rng.random()
+        base = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9], [4] * 12, []])
+        key = base[: rng.randint(0, len(base))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 8))]
+        if op < 0.4:
+            # A request: match + lock its prefix, compute the rest, finish.
+            m = cache.match_prefix(key)
+            cache.inc_lock_ref(m.last_node)
+            own = alloc.alloc(len(key) - m.length)
+            if own is None:
+                cache.evict(len(key))
+                own = alloc.alloc(len(key) - m.length)
+            if own is None:
+                cache.dec_lock_ref(m.last_node)
+                continue
+            idx = torch.cat([m.indices, own])
+            for i in range(m.length, len(key)):
+                owner[int(idx[i])] = tuple(key[: i + 1])
+            cache.cache_finished_req(key, idx, m.length, m.last_node)
+        elif op < 0.55:
+            m = cache.match_prefix(key)
+            cache.inc_lock_ref(m.last_node)
+            locks.append((m.last_node, key[: m.length], m.indices))
+        elif op < 0.7 and locks:
+            node, _, _ = locks.pop(rng.randrange(len(locks)))
+            cache.dec_lock_ref(node)
+        elif op < 0.85:
+            cache.evict(rng.randint(1, 40))
+        else:
+            m = cache.match_prefix(key)
+            for j, s in enumerate(m.indices.tolist()):
+                assert owner[s] == tuple(key[: j + 1])
+        for _, k, idx in locks:  # locked prefixes are never evicted
+            for j, s in enumerate(idx.tolist()):
+                assert owner.get(s) == tuple(k[: j + 1])
+        assert set(owner) == set(cache.all_slots().tolist())
+        assert alloc.available_size() + cache.total_size() == start
+        cache.check_integrity()
+    for node, _, _ in locks:
+        cache.dec_lock_ref(node)
+    assert cache.protected_size() == 0
+    cache.evict(10**6)
+    assert alloc.available_size() == start and not owner
