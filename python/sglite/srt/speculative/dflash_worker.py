@@ -30,6 +30,7 @@ from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, build_forward_batch
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.srt.speculative.dflash_utils import BlockVerifyResult, greedy_verify, sampling_verify, verify_probs
+from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,10 @@ def create_dflash_worker(
     """Build the target runner, the draft runner (sharing its allocator and req->token table) and the worker."""
     from sglite.srt.model_executor.model_runner import ModelRunner
 
-    if server_args.speculative_algorithm not in ("DFLASH", "DSPARK"):
-        raise ValueError(f"create_dflash_worker needs --speculative-algorithm DFLASH or DSPARK, got {server_args.speculative_algorithm!r}")
+    if not SpeculativeAlgorithm.from_string(server_args.speculative_algorithm).is_dflash_family():
+        raise ValueError(
+            f"create_dflash_worker needs --speculative-algorithm DFLASH or DSPARK, got {server_args.speculative_algorithm!r}"
+        )
     target = ModelRunner(server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method)
     draft = ModelRunner(server_args, is_draft=True, target_runner=target)
     algo = draft.model_config.draft.algorithm if draft.model_config.draft is not None else None
@@ -59,7 +62,8 @@ def create_dflash_worker(
             f"(architectures {draft.model_config.architectures})"
         )
     return DFlashWorker(
-        target, draft, block_size=server_args.speculative_num_draft_tokens, random_seed=server_args.random_seed
+        target, draft, block_size=server_args.speculative_num_draft_tokens, random_seed=server_args.random_seed,
+        prefill_only=server_args.disaggregation_mode == "prefill",
     )
 
 
@@ -76,6 +80,7 @@ class DFlashWorker:
         block_size: Optional[int] = None,
         random_seed: int = 0,
         context_len: Optional[int] = None,
+        prefill_only: bool = False,
     ) -> None:
         self.target_runner = target_runner
         self.draft_runner = draft_runner
@@ -113,8 +118,12 @@ class DFlashWorker:
         self.max_running_requests = int(plan.max_running_requests)
         # A decode step writes B slots past the K/V length, so rows need B - 1 columns beyond the context.
         row_cols = int(self.req_to_token_pool.req_to_token.shape[1])
+        # PD prefill node: no verify block ever runs, so its plan has no verify columns (and no verify scratch).
+        self.prefill_only = bool(prefill_only)
+        if self.prefill_only and context_len is None:
+            context_len = int(plan.context_len)
         self.context_len = int(context_len) if context_len is not None else row_cols - self.block_size + 1
-        if self.context_len + self.block_size - 1 > row_cols:
+        if not self.prefill_only and self.context_len + self.block_size - 1 > row_cols:
             raise ValueError(
                 f"context length {self.context_len} + block {self.block_size} - 1 exceeds the req_to_token "
                 f"rows ({row_cols} columns); lower --context-length"
@@ -146,6 +155,8 @@ class DFlashWorker:
     @torch.no_grad()
     def forward_decode(self, batch: ScheduleBatch) -> list[list[int]]:
         """One draft block + one target verify per request; 1..B new tokens each."""
+        if self.prefill_only:
+            raise RuntimeError("a PD prefill node (--disaggregation-mode prefill) never decodes; the decode node does")
         bs, block = batch.batch_size, self.block_size
         if any(n != block for n in batch.extend_lens) or batch.out_cache_loc.numel() != bs * block:
             raise ValueError(f"DFLASH decode needs {block} slots per request, the batch has {batch.extend_lens}")
