@@ -52,14 +52,26 @@ skip_reason() {
   echo ""
 }
 
-# A benchmark writes JSON itself when it has --out; otherwise its output is kept as a log only.
+# A benchmark writes JSON itself when it has --result-file (SGLang's bench flag) or --out (matched as
+# a whole flag: argparse would take "--out" as an abbreviation of e.g. --output-len); otherwise its
+# output is kept as a log only. The dry run reads the script's source instead of importing it.
+json_flag() {
+  local text="$1"
+  if echo "$text" | grep -qE -- '--result-file([^-[:alnum:]_]|$)'; then echo "--result-file"
+  elif echo "$text" | grep -qE -- '--out([^-[:alnum:]_]|$)'; then echo "--out"
+  fi
+}
 resolve_out_flag() {
-  local cmd="$1" name="$2" script
+  local cmd="$1" name="$2" script flag
+  case "$cmd" in *OUTFLAG*) ;; *) echo "$cmd"; return ;; esac
   script="$(echo "$cmd" | awk '{print $2}')"
   if [ "$DRY_RUN" = 1 ]; then
-    echo "${cmd/OUTFLAG/[--out \$OUT_DIR/$name.json]}"
-  elif "$PY" "$script" --help 2>/dev/null | grep -q -- '--out'; then
-    echo "${cmd/OUTFLAG/--out \"\$OUT_DIR/$name.json\"}"
+    flag="$(json_flag "$(grep -ho -- '"--[a-z-]*"' "$script" 2>/dev/null | tr -d '"')")"
+  else
+    flag="$(json_flag "$("$PY" "$script" --help 2>/dev/null)")"
+  fi
+  if [ -n "$flag" ]; then
+    echo "${cmd/OUTFLAG/$flag \"\$OUT_DIR/$name.json\"}"
   else
     echo "${cmd/ OUTFLAG/}"
   fi

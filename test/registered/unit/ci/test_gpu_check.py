@@ -38,6 +38,11 @@ def test_dry_run_lists_every_step_within_budget(tmp_path):
             # Either it would run the script, or it says which file is missing.
             if os.path.isfile(os.path.join(REPO, script)):
                 assert script in rest and "SKIP" not in rest
+                # JSON goes to $OUT through the script's own whole flag, never an argparse abbreviation.
+                m_flag = re.search(r"(--[a-z-]+) \"?" + re.escape(str(tmp_path / "out")), rest)
+                if m_flag:
+                    with open(os.path.join(REPO, script)) as f:
+                        assert f'"{m_flag.group(1)}"' in f.read()
             else:
                 assert rest.startswith("SKIP") and script in rest
     assert sum(budgets.values()) <= 480
