@@ -1,5 +1,9 @@
-"""Triton attention backend: paged extend (EXTEND / TARGET_VERIFY causal, DRAFT_BLOCK non-causal) and
-split-K decode kernels from ``triton_ops``. On CPU it runs only under ``TRITON_INTERPRET=1`` (tests)."""
+"""Triton attention backend over the paged pool, with the kernels in ``triton_ops``.
+
+DECODE and batches whose requests add at most ``split_block_max`` tokens (TARGET_VERIFY / DRAFT_BLOCK
+blocks, short extends) use the split-K kernel; longer extends use the flash-attention extend kernel.
+EXTEND / DECODE / TARGET_VERIFY are causal, DRAFT_BLOCK is not. On CPU it runs only under
+``TRITON_INTERPRET=1`` (tests)."""
 
 from __future__ import annotations
 
@@ -13,9 +17,11 @@ import triton
 from sglite.srt.layers.attention.base_attn_backend import AttentionBackend, cpu_list, mode_name
 from sglite.srt.layers.attention.triton_ops.common import INTERPRET
 from sglite.srt.layers.attention.triton_ops.decode_attention import (
+    MAX_SPLIT_BLOCK,
     alloc_decode_buffers,
+    block_split_attention_fwd,
     decode_attention_fwd,
-    decode_block_h,
+    split_tile,
 )
 from sglite.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 
@@ -40,7 +46,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_kv_splits(batch_size: int, num_kv_heads: int, group: int, device: torch.device) -> int:
+def choose_num_kv_splits(batch_size: int, num_kv_heads: int, group: int, device: torch.device, block_q: int = 1) -> int:
     """Decode split count: enough programs to fill the GPU, a power of two (few kernel variants), ≤ 16.
 
     It depends only on the batch size and head geometry, never on sequence lengths, so a captured
@@ -48,7 +54,7 @@ def choose_num_kv_splits(batch_size: int, num_kv_heads: int, group: int, device:
     """
     if INTERPRET or device.type != "cuda":
         return 2
-    programs_per_split = batch_size * num_kv_heads * triton.cdiv(group, decode_block_h(group))
+    programs_per_split = batch_size * num_kv_heads * split_tile(group, block_q)[1]
     want = triton.cdiv(2 * _num_sms(device), max(1, programs_per_split))
     return min(MAX_KV_SPLITS, triton.next_power_of_2(want))
 
@@ -62,9 +68,14 @@ class TritonAttnBackend(AttentionBackend):
     buffer is reallocated afterwards. A captured extend-family graph bakes in its block size (grid).
     """
 
-    def __init__(self, runner: Any = None, num_kv_splits: Optional[int] = None) -> None:
+    def __init__(
+        self, runner: Any = None, num_kv_splits: Optional[int] = None, split_block_max: int = MAX_SPLIT_BLOCK
+    ) -> None:
+        if not 0 <= split_block_max <= MAX_SPLIT_BLOCK:
+            raise ValueError(f"split_block_max must be in [0, {MAX_SPLIT_BLOCK}] (0 = extend kernel for every block)")
         self.runner = runner
         self.fixed_num_kv_splits = num_kv_splits
+        self.split_block_max = split_block_max
         self.metadata: Optional[TritonForwardMetadata] = None
         self._decode_scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._q_start_buf: Optional[torch.Tensor] = None
@@ -97,10 +108,16 @@ class TritonAttnBackend(AttentionBackend):
             raise RuntimeError("TritonAttnBackend.forward called before init_forward_metadata(forward_batch)")
         return self.metadata
 
-    def _num_kv_splits(self, batch_size: int, layer: "RadixAttention", device: torch.device) -> int:
+    def _num_kv_splits(self, batch_size: int, layer: "RadixAttention", device: torch.device, block_q: int = 1) -> int:
         if self.fixed_num_kv_splits is not None:
             return self.fixed_num_kv_splits
-        return choose_num_kv_splits(batch_size, layer.num_kv_heads, layer.kv_group_size, device)
+        return choose_num_kv_splits(batch_size, layer.num_kv_heads, layer.kv_group_size, device, block_q)
+
+    def _scratch(self, num_tokens: int, layer: "RadixAttention", splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (num_tokens, layer.num_heads, layer.v_head_dim, splits)
+        if key not in self._decode_scratch:
+            self._decode_scratch[key] = alloc_decode_buffers(num_tokens, layer.num_heads, layer.v_head_dim, splits, device)
+        return self._decode_scratch[key]
 
     def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
         """Split-K decode over ``req_to_token[row, :seq_len]``."""
@@ -109,10 +126,7 @@ class TritonAttnBackend(AttentionBackend):
         q3 = q.reshape(bs, layer.num_heads, layer.head_dim)
         o = q.new_empty((bs, layer.num_heads, layer.v_head_dim))
         splits = self._num_kv_splits(bs, layer, q.device)
-        key = (bs, layer.num_heads, layer.v_head_dim, splits)
-        if key not in self._decode_scratch:
-            self._decode_scratch[key] = alloc_decode_buffers(bs, layer.num_heads, layer.v_head_dim, splits, q.device)
-        mid_o, mid_lse = self._decode_scratch[key]
+        mid_o, mid_lse = self._scratch(bs, layer, splits, q.device)
         decode_attention_fwd(
             q3,
             o,
@@ -132,10 +146,33 @@ class TritonAttnBackend(AttentionBackend):
     def forward_extend(
         self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch", causal: bool
     ) -> torch.Tensor:
-        """Paged extend kernel; ``causal=False`` for DRAFT_BLOCK."""
+        """Split-K kernel for short blocks, else the paged extend kernel; ``causal=False`` for DRAFT_BLOCK."""
         meta = self._metadata_for(forward_batch)
         q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
         o = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
+        if 0 < meta.max_extend_len <= self.split_block_max:
+            bs = forward_batch.batch_size
+            splits = self._num_kv_splits(bs, layer, q.device, triton.next_power_of_2(meta.max_extend_len))
+            mid_o, mid_lse = self._scratch(q3.shape[0], layer, splits, q.device)
+            block_split_attention_fwd(
+                q3,
+                o,
+                forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                forward_batch.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                forward_batch.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens,
+                forward_batch.extend_seq_lens,
+                meta.q_start,
+                meta.max_extend_len,
+                layer.scaling,
+                causal,
+                splits,
+                layer.sliding_window,
+                mid_o,
+                mid_lse,
+            )
+            return o.reshape(-1, layer.num_heads * layer.v_head_dim)
         extend_attention_fwd(
             q3,
             o,

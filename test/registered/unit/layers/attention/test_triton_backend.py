@@ -32,11 +32,11 @@ def tolerance(dtype: torch.dtype) -> dict:
     return dict(atol=1e-3, rtol=1e-3) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
 
 
-def check_equal(mode, page_size, num_kv_heads, group, head_dim, dtype, seed, **kw):
-    prefix, extend = lens_for(mode, seed)
+def check_equal(mode, page_size, num_kv_heads, group, head_dim, dtype, seed, backend_kw=None, lens=None, **kw):
+    prefix, extend = lens or lens_for(mode, seed)
     common = dict(page_size=page_size, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype, seed=seed, **kw)
     ref = run_backend(TorchNativeAttnBackend(), build_case(mode, prefix, extend, **common))
-    out = run_backend(TritonAttnBackend(), build_case(mode, prefix, extend, **common))
+    out = run_backend(TritonAttnBackend(**(backend_kw or {})), build_case(mode, prefix, extend, **common))
     assert out.dtype == dtype and out.shape == ref.shape
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
@@ -64,16 +64,34 @@ def test_triton_sliding_window(mode):
     check_equal(mode, 16, 1, 4, 64, torch.float32, 5, sliding_window=20)
 
 
+# VERIFY / DRAFT_BLOCK blocks (8 tokens) go to the split-K kernel by default; these run them through
+# the extend kernel instead (split_block_max=0), so both kernels see causal and non-causal blocks.
+@pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_BLOCK], ids=lambda m: m.name)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (1, 8)])
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_blocks_through_extend_kernel(mode, page_size, num_kv_heads, group, sliding_window):
+    check_equal(mode, page_size, num_kv_heads, group, 64, torch.float32, 6, backend_kw={"split_block_max": 0}, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 9])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_short_ragged_extend_through_split_kernel(sliding_window, group):
+    """An EXTEND whose requests add 1..32 tokens (ragged) takes the split-K path."""
+    check_equal(ForwardMode.EXTEND, 16, 1, group, 64, torch.float32, 8, lens=([0, 45, 3], [17, 1, 32]), sliding_window=sliding_window)
+
+
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=lambda m: m.name)
 def test_triton_v_head_dim_differs(mode):
     check_equal(mode, 1, 2, 2, 64, torch.float32, 7, v_head_dim=32)
 
 
-def test_decode_split_counts_agree():
-    """Split-K decode gives the same result for 1, 3 and 8 splits (empty splits included)."""
+@pytest.mark.parametrize("mode,extend", [(ForwardMode.DECODE, 1), (ForwardMode.DRAFT_BLOCK, 4)], ids=["DECODE", "DRAFT_BLOCK"])
+def test_split_counts_agree(mode, extend):
+    """Split-K gives the same result for 1, 3 and 8 splits (empty splits included)."""
     outs = []
     for splits in (1, 3, 8):
-        case = build_case(ForwardMode.DECODE, [2, 60], [1, 1], page_size=16, num_kv_heads=1, group=4, head_dim=64, seed=11)
+        case = build_case(mode, [2, 60], [extend, extend], page_size=16, num_kv_heads=1, group=4, head_dim=64, seed=11)
         outs.append(run_backend(TritonAttnBackend(num_kv_splits=splits), case))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[0], outs[2], atol=1e-5, rtol=1e-5)

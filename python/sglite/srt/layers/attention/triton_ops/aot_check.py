@@ -44,7 +44,7 @@ def _signature(fn: Any, pointers: dict[str, str], floats: tuple[str, ...], const
 
 
 def compile_attention_kernels(arch: int = 90, dtype: str = "bf16", kv_dtype: str | None = None, head_dim: int = 128, group: int = 4) -> list[CompiledKernelInfo]:
-    """Compile extend (causal and non-causal + window), decode and merge kernels for ``cuda:arch``."""
+    """Compile extend (causal; non-causal + window), split-K (decode; 16-token block) and merge kernels for ``cuda:arch``."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("aot_check compiles kernels: run it in a process without TRITON_INTERPRET=1")
     import triton
@@ -74,13 +74,15 @@ def compile_attention_kernels(arch: int = 90, dtype: str = "bf16", kv_dtype: str
                  USE_WINDOW=not causal, DOT_FP32=dot_fp32, BLOCK_M=64, BLOCK_N=64),
             f"q={dtype} kv={kv_dtype} causal={causal}",
         )
-    build(
-        decode_attention._decode_kernel,
-        {"Q": "*" + dtype, "Seq_lens": "*i64", "Mid_O": "*fp32", "Mid_LSE": "*fp32", **kv_ptrs},
-        dict(HEAD_DIM=head_dim, V_HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
-             BLOCK_H=decode_attention.decode_block_h(group), NUM_SPLITS=8, USE_WINDOW=True, DOT_FP32=dot_fp32, BLOCK_N=64),
-        f"q={dtype} kv={kv_dtype}",
-    )
+    for block_q, causal in ((1, True), (16, False)):  # decode; a non-causal 16-token draft block
+        block_g = decode_attention.split_tile(group, block_q)[0]
+        build(
+            decode_attention._decode_kernel,
+            {"Q": "*" + dtype, "Seq_lens": "*i64", "Extend_lens": "*i64", "Q_start": "*i64", "Mid_O": "*fp32", "Mid_LSE": "*fp32", **kv_ptrs},
+            dict(HEAD_DIM=head_dim, V_HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d, BLOCK_Q=block_q, BLOCK_G=block_g,
+                 NUM_SPLITS=8, IS_DECODE=block_q == 1, CAUSAL=causal, USE_WINDOW=True, DOT_FP32=dot_fp32, BLOCK_N=64),
+            f"q={dtype} kv={kv_dtype} block={block_q} causal={causal}",
+        )
     build(
         decode_attention._decode_merge_kernel,
         {"Mid_O": "*fp32", "Mid_LSE": "*fp32", "O": "*" + dtype},
