@@ -121,13 +121,13 @@ class DecodePrealloc:
                 error = self.manager.error(req.bootstrap_room) or "KV transfer failed"
                 self.num_failed += 1
                 logger.warning("room %s: %s", req.bootstrap_room, error)
-                self._drop(req, slots, f"KV from the prefill node never arrived: {error}")
+                self._drop(req, slots, finish_abort(f"KV from the prefill node never arrived: {error}"))
             else:
                 still.append((req, slots))
         self.transfer_queue = still
 
     # ----------------------------------------------------------------- failure / abort
-    def _drop(self, req: Req, slots: Optional[torch.Tensor], message: str) -> None:
+    def _drop(self, req: Req, slots: Optional[torch.Tensor], reason: dict) -> None:
         """Free pre-allocated slots (never cached: their KV is not valid) and end the request."""
         s = self.scheduler
         self.manager.release(req.bootstrap_room)
@@ -136,21 +136,25 @@ class DecodePrealloc:
             s.tree_cache.dec_lock_ref(req.last_node)
             s.req_to_token_pool.free(req.req_pool_idx)
         req.reset_kv_state()
-        req.finished_reason = finish_abort(message)
+        req.finished_reason = reason
         s._touch(req)
 
-    def abort(self, req: Req) -> bool:
-        """Client abort of a request still held here."""
-        if req in self.prealloc_queue:
-            self.prealloc_queue.remove(req)
-            self._drop(req, None, "aborted by the client")
+    def abort(self, req: Req, reason: dict) -> bool:
+        """Client abort of a request still held here; False if it is not held here."""
+        if any(r is req for r in self.prealloc_queue):
+            self.prealloc_queue = [r for r in self.prealloc_queue if r is not req]
+            self._drop(req, None, reason)
             return True
         for i, (r, slots) in enumerate(self.transfer_queue):
             if r is req:
                 self.transfer_queue.pop(i)
-                self._drop(req, slots, "aborted by the client")
+                self._drop(req, slots, reason)
                 return True
         return False
+
+    def close(self) -> None:
+        """Stop the receiver thread."""
+        self.manager.close()
 
     def state(self) -> dict[str, int]:
         """Queue sizes for /get_server_info and metrics (SGLang's gauge names)."""

@@ -245,8 +245,9 @@ class DecodeKVManager:
     def start(self, room: int, bootstrap_host: str, bootstrap_port: int, dst_slots: Sequence[int]) -> None:
         """Ask the paired prefill rank for a room's KV, to be written at dst_slots."""
         base = f"http://{bootstrap_host}:{bootstrap_port}"
-        state = KVPoll.Transferring
-        error = ""
+        # Register the room before the want goes out: the prefill side may answer before send_json returns.
+        with self._lock:
+            self._rooms[room] = _DecodeRoom(KVPoll.Transferring, time.monotonic() + self.timeout_s, f"{base}/health")
         try:
             route = self._route(bootstrap_host, bootstrap_port)
             endpoint = f"tcp://{route['host']}:{route['zmq_port']}"
@@ -265,9 +266,9 @@ class DecodeKVManager:
                 }
             )
         except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
-            state, error = KVPoll.Failed, f"cannot reach the prefill bootstrap server at {base}: {e}"
-        with self._lock:
-            self._rooms[room] = _DecodeRoom(state, time.monotonic() + self.timeout_s, f"{base}/health", error=error)
+            with self._lock:
+                r = self._rooms[room]
+                r.state, r.error = KVPoll.Failed, f"cannot reach the prefill bootstrap server at {base}: {e}"
 
     def poll(self, room: int) -> KVPoll:
         """Transfer state; times out rooms whose KV never arrives and rooms whose prefill node died."""

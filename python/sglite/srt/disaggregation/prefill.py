@@ -40,8 +40,8 @@ class PrefillHandoff:
         server = None
         if tp_rank == 0:
             server = BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port)
-        if tp_group is not None:
-            tp_group.barrier()  # peers register only once rank 0's server listens
+        if tp_group is not None and tp_group.world_size > 1:
+            tp_group.all_gather_object(tp_rank)  # a barrier: peers register only once rank 0's server listens
         url = f"http://{server_args.host}:{server_args.disaggregation_bootstrap_port}"
         manager = PrefillKVManager(
             create_transfer_backend(server_args.disaggregation_transfer_backend, server_args.host),
@@ -66,6 +66,18 @@ class PrefillHandoff:
         self.manager.send(req.bootstrap_room, src.tolist(), int(first_token), meta)
         self.inflight.append(req)
 
+    def step(self) -> None:
+        """One scheduler step: finish requests whose transfer ended."""
+        self.poll()
+
+    def has_work(self) -> bool:
+        """Requests whose KV is still being shipped."""
+        return bool(self.inflight)
+
+    def live_reqs(self) -> list[Req]:
+        """Every request held here (for aborts and duplicate-id checks)."""
+        return list(self.inflight)
+
     def poll(self) -> None:
         """Finish requests whose transfer ended (same decision on every TP rank)."""
         still = []
@@ -89,13 +101,19 @@ class PrefillHandoff:
         self.scheduler._release(req)
         self.scheduler._touch(req)
 
-    def abort(self, req: Req) -> bool:
-        """Drop an in-flight request (client abort); its slots are released."""
-        if req in self.inflight:
-            self.inflight.remove(req)
-            self._finish(req, finish_abort("aborted by the client"))
+    def abort(self, req: Req, reason: dict) -> bool:
+        """Drop an in-flight request (client abort); its slots are released. False if not held here."""
+        if any(r is req for r in self.inflight):
+            self.inflight = [r for r in self.inflight if r is not req]
+            self._finish(req, reason)
             return True
         return False
+
+    def close(self) -> None:
+        """Stop the transfer threads and the bootstrap server."""
+        self.manager.close()
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.close()
 
     def state(self) -> dict[str, int]:
         """Counters for /get_server_info."""

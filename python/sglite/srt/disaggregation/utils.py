@@ -35,3 +35,22 @@ def agree_poll(state: KVPoll, tp_group: Optional[Any]) -> KVPoll:
     if tp_group is None or getattr(tp_group, "world_size", 1) == 1:
         return state
     return KVPoll(min(int(s) for s in tp_group.all_gather_object(int(state))))
+
+
+def create_disagg(scheduler: Any, worker: Any, server_args: Any, tp_rank: int, world_size: int) -> Any:
+    """The scheduler's PD component for --disaggregation-mode: PrefillHandoff or DecodePrealloc."""
+    tp_group = None
+    if world_size > 1:
+        from sglite.srt.distributed.parallel_state import get_tp_group
+
+        tp_group = get_tp_group()
+    mode = server_args.disaggregation_mode
+    if mode == "prefill":
+        from sglite.srt.disaggregation.prefill import PrefillHandoff
+
+        return PrefillHandoff.create(scheduler, worker, server_args, tp_rank, tp_group)
+    if mode == "decode":
+        from sglite.srt.disaggregation.decode import DecodePrealloc
+
+        return DecodePrealloc.create(scheduler, worker, server_args, tp_rank, tp_group)
+    raise ValueError(f"--disaggregation-mode {mode!r} has no PD component; use prefill or decode")

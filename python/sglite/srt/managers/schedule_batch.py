@@ -49,6 +49,11 @@ class Req:
     spec_accepted_tokens: int = 0  # tokens produced by those verify forwards (accepted drafts + bonus)
     arrival_time: float = field(default_factory=time.monotonic)
 
+    # PD disaggregation: where the prefill node's bootstrap server is and which room pairs the nodes.
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+
     # ------------------------------------------------------------------ derived
     @property
     def all_token_ids(self) -> list[int]:

@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 # How long rank 0 waits for input while idle before it broadcasts an empty batch to its TP peers
 # (keeps their blocking broadcast well inside --dist-timeout).
 IDLE_POLL_MS = 1000
+# PD: while only KV transfers are in flight, wait this long for input instead of spinning on them.
+PD_TRANSFER_POLL_MS = 2
 
 
 class ModelWorker(Protocol):
@@ -111,6 +113,12 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
         self.config = config or SchedulerConfig()
+        # PD: a prefill node never decodes, so it reserves no future decode tokens at admission.
+        self.disaggregation_mode: Optional[str] = server_args.disaggregation_mode
+        if self.disaggregation_mode == "prefill" and config is None:
+            self.config = SchedulerConfig(init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+        # PD: PrefillHandoff / DecodePrealloc (sglite.srt.disaggregation), set by run_scheduler_process.
+        self.disagg: Optional[Any] = None
         self.req_to_token_pool = worker.req_to_token_pool
         self.allocator = worker.token_to_kv_pool_allocator
         self.page_size = int(self.allocator.page_size)
@@ -157,12 +165,18 @@ class Scheduler:
             sampling_params=recv.sampling_params,
             input_text=recv.input_text,
             stream=recv.stream,
+            bootstrap_host=recv.bootstrap_host,
+            bootstrap_port=recv.bootstrap_port,
+            bootstrap_room=recv.bootstrap_room,
         )
         error = self._validate(req)
         if error is not None:
             logger.warning("request %s rejected: %s", req.rid, error)
             req.finished_reason = finish_abort(error)
             self._touch(req)
+            return
+        if self.disagg is not None and self.disaggregation_mode == "decode":  # PD: KV comes from a prefill node
+            self.disagg.add(req)
             return
         self.waiting_queue.append(req)
 
@@ -177,6 +191,8 @@ class Scheduler:
             return f"prompt ({n}) + max_new_tokens ({max_new}) exceeds the context length {self.context_len}"
         # The last decode step holds K/V for n + max_new - 1 tokens plus its block of slots.
         need = pages_needed(0, n + max_new - 1 + int(self.worker.num_decode_tokens_per_req), self.page_size)
+        if self.disaggregation_mode == "prefill":  # PD: a prefill node holds only the prompt's K/V
+            need = pages_needed(0, n, self.page_size)
         if need > self.initial_free_slots:
             return (
                 f"the request needs {need} KV slots but the pool holds {self.initial_free_slots}; "
@@ -193,7 +209,9 @@ class Scheduler:
                 self._finish_now(req, finish_abort(recv.message))
 
     def _finish_now(self, req: Req, reason: dict[str, Any]) -> None:
-        """End a request wherever it is (waiting, chunked, running)."""
+        """End a request wherever it is (waiting, chunked, running, PD queues)."""
+        if self.disagg is not None and self.disagg.abort(req, reason):  # PD: it frees the slots it holds
+            return
         req.finished_reason = reason
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
@@ -206,11 +224,14 @@ class Scheduler:
 
     def _all_live_reqs(self) -> list[Req]:
         chunked = [self.chunked_req] if self.chunked_req is not None else []
-        return self.waiting_queue + chunked + self.running
+        pd = self.disagg.live_reqs() if self.disagg is not None else []
+        return self.waiting_queue + chunked + self.running + pd
 
     # ================================================================== the loop body
     def step(self) -> list[BatchTokenIDOut]:
         """One scheduling step: a prefill batch if one can be formed, else a decode step."""
+        if self.disagg is not None:  # PD: finish handed-off prefills / admit arrived KV
+            self.disagg.step()
         batch = self._get_new_prefill_batch()
         if batch is not None:
             self._run_prefill(batch)
@@ -220,7 +241,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether a step would do anything (requests in flight or outputs pending)."""
-        return bool(self.waiting_queue or self.running or self.chunked_req or self._touched)
+        pd = self.disagg is not None and self.disagg.has_work()
+        return bool(self.waiting_queue or self.running or self.chunked_req or self._touched or pd)
+
+    def _only_waiting_on_transfers(self) -> bool:
+        """PD: nothing to compute, only KV transfers in flight (the loop sleeps briefly instead of spinning)."""
+        return not (self.waiting_queue or self.running or self.chunked_req or self._touched) and self.has_work()
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[BatchTokenIDOut]:
         """Step until no request is left; return every output message."""
@@ -231,6 +257,9 @@ class Scheduler:
             forwards = self.num_prefill_forwards + self.num_decode_forwards
             step_outs = self.step()
             outs.extend(step_outs)
+            if self._only_waiting_on_transfers():
+                time.sleep(0.001)
+                continue
             if not step_outs and forwards == self.num_prefill_forwards + self.num_decode_forwards:
                 raise RuntimeError(
                     f"scheduler is stuck: {len(self.waiting_queue)} waiting requests cannot be admitted "
@@ -353,6 +382,9 @@ class Scheduler:
                 continue  # an unfinished chunk: its sampled token is meaningless
             if len(tokens) != 1:
                 raise RuntimeError(f"prefill must return exactly one token per request, got {len(tokens)}")
+            if self.disagg is not None and self.disaggregation_mode == "prefill":
+                self.disagg.hand_off(req, tokens[0])  # PD: the decode node continues from here
+                continue
             self._append_tokens(req, tokens)
             if req.finished:
                 if id(req) in decoding:
@@ -553,7 +585,9 @@ class Scheduler:
     # ================================================================== control
     def flush_cache(self) -> FlushCacheReqOutput:
         """Drop the prefix cache; refused while requests are in flight."""
-        if self.waiting_queue or self.running or self.chunked_req is not None:
+        if self.waiting_queue or self.running or self.chunked_req is not None or (
+            self.disagg is not None and self.disagg.has_work()
+        ):
             return FlushCacheReqOutput(success=False, message="cannot flush the cache while requests are running")
         self.tree_cache.reset()
         self.allocator.clear()
@@ -563,7 +597,9 @@ class Scheduler:
     def get_internal_state(self) -> dict[str, Any]:
         """Live state for /get_server_info."""
         avg_accept = self.spec_accepted_total / self.spec_verify_total if self.spec_verify_total else None
+        pd = {"disaggregation_mode": self.disaggregation_mode, **(self.disagg.state() if self.disagg else {})}
         return {
+            **pd,
             "available_kv_slots": self.allocator.available_size(),
             "allocator_size": int(self.allocator.size),
             "initial_free_slots": self.initial_free_slots,
@@ -603,7 +639,8 @@ class Scheduler:
         while True:
             msgs: list[Any] = []
             if recv_sock is not None:
-                if recv_sock.poll(0 if self.has_work() else IDLE_POLL_MS):
+                busy = self.has_work() and not self._only_waiting_on_transfers()
+                if recv_sock.poll(0 if busy else (PD_TRANSFER_POLL_MS if self.has_work() else IDLE_POLL_MS)):
                     while True:
                         try:
                             msgs.append(recv_sock.recv_pyobj(flags=zmq.NOBLOCK))
@@ -687,6 +724,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
         tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
         eos = resolve_eos_token_ids(server_args.model_path, runner.model_config, tokenizer)
         scheduler = Scheduler(server_args, worker, tokenizer=tokenizer, eos_token_ids=eos)
+        if server_args.disaggregation_mode in ("prefill", "decode"):  # PD: prefill hand-off or decode pre-allocation
+            from sglite.srt.disaggregation.utils import create_disagg
+
+            scheduler.disagg = create_disagg(scheduler, worker, server_args, rank, world_size)
         ready = SchedulerReady(
             max_total_num_tokens=int(worker.max_total_num_tokens),
             max_running_requests=scheduler.max_running_requests,

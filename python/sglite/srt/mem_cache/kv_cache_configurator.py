@@ -220,6 +220,8 @@ class KVCacheConfigurator:
         sa, aux = self.server_args, self.spec_aux_config
         if not aux.has_draft:
             return 0
+        if sa.disaggregation_mode == "prefill":  # PD: a prefill node never verifies, so no verify-block columns
+            return 0
         if sa.speculative_num_draft_tokens is not None:
             return int(sa.speculative_num_draft_tokens)
         if aux.algorithm in DFLASH_FAMILY:
