@@ -320,7 +320,10 @@ def launch_server(server_args: ServerArgs, *, scheduler_entry: Any = None) -> in
         # `finally` below stop the subprocesses instead of leaving them to their parent watchdogs.
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        asyncio.run(serve())
+        try:
+            asyncio.run(serve())
+        except KeyboardInterrupt:  # Ctrl-C after uvicorn's graceful shutdown: not an error
+            logger.info("interrupted; shutting down")
     finally:
         runtime.shutdown()
     return exit_status
