@@ -52,7 +52,6 @@ def spec_args(target_dir, draft_dir, **kw):
         cpu_kv_cache_budget_mb=4,
         context_length=256,
         max_running_requests=16,
-        schedule_policy="fcfs",
     )
     base.update(kw)
     return ServerArgs(**base).validate()
@@ -76,7 +75,7 @@ def plain_scheduler(target_dir, **kw):
     from sglite.srt.managers.tp_worker import TpModelWorker
 
     base = dict(model_path=target_dir, dtype="float32", device="cpu", cpu_kv_cache_budget_mb=4, context_length=256,
-                max_running_requests=16, schedule_policy="fcfs")
+                max_running_requests=16)
     base.update(kw)
     args = ServerArgs(**base).validate()
     with scoped(parallel=ParallelState(tp_size=1)):
@@ -354,7 +353,7 @@ def test_stop_string_inside_a_block_matches_plain_decoding(trained, tmp_path):
         finally:
             destroy_parallel_runtime()
     plain_args = ServerArgs(model_path=target_dir, dtype="float32", device="cpu", cpu_kv_cache_budget_mb=4,
-                            context_length=256, schedule_policy="fcfs").validate()
+                            context_length=256).validate()
     from sglite.srt.managers.tp_worker import TpModelWorker
 
     with scoped(parallel=ParallelState(tp_size=1)):
