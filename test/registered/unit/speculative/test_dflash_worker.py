@@ -425,3 +425,18 @@ def test_dp_attention_draft_is_sharded_at_attn_tp(trained):
         for ids, steps, p in zip(res["ids"], res["steps"], prompts[rank::2]):
             ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new)
             assert ids == ref_ids and steps[1:] == ref_lens
+
+
+def test_retraction_under_kv_pressure_stays_lossless(trained):
+    """A pool too small for every running request forces retraction; re-prefill rebuilds the draft context KV."""
+    target_dir, tr, target, draft = trained
+    prompts = [p + target_greedy(target, p, i % 3) for i, p in enumerate(tr.prompts[:6])]
+    max_new = 24
+    with spec_scheduler(target_dir, tr.draft_dir, max_total_tokens=110) as (sched, _):
+        run = generate(sched, prompts, [greedy(max_new)] * len(prompts))
+        assert sched.num_retractions > 0
+    for i, p in enumerate(prompts):
+        assert run.ids[f"r{i}"] == reference_block_generate(draft, target, p, max_new)[0]
+    # Drafting still works after re-prefill (trained trajectories keep accepting several tokens per step).
+    decode_tokens = sum(len(run.ids[f"r{i}"]) for i in range(len(prompts)))
+    assert decode_tokens / sum(run.verify_ct.values()) > 1.4
