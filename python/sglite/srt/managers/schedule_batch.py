@@ -61,6 +61,11 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def last_token_id(self) -> int:
+        """The newest token (the next decode input), without building ``all_token_ids``."""
+        return self.output_ids[-1] if self.output_ids else self.origin_input_ids[-1]
+
+    @property
     def seq_len(self) -> int:
         """Prompt + generated tokens."""
         return len(self.origin_input_ids) + len(self.output_ids)
@@ -120,7 +125,7 @@ class ScheduleBatch:
 
     def last_token_ids(self) -> list[int]:
         """Each request's newest token (the decode input)."""
-        return [r.all_token_ids[-1] for r in self.reqs]
+        return [r.last_token_id for r in self.reqs]
 
     def slots_of(self, i: int) -> torch.Tensor:
         """The slots allocated for request i's new tokens in this forward."""

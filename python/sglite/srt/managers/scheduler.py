@@ -417,12 +417,15 @@ class Scheduler:
         if not self.running or loc is None:
             return
         reqs = list(self.running)
-        for i, req in enumerate(reqs):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, loc[i * t : (i + 1) * t])
+        table = self.req_to_token_pool.req_to_token
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=table.device)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=table.device)[:, None]
+        cols = cols + torch.arange(t, dtype=torch.int64, device=table.device)[None, :]
+        table[rows[:, None], cols] = loc.view(len(reqs), t).to(table.device, table.dtype)  # one write for all
         batch = ScheduleBatch(
             reqs=reqs,
             is_prefill=False,
-            input_ids=[r.all_token_ids[-1] for r in reqs],
+            input_ids=[r.last_token_id for r in reqs],
             prefix_lens=[r.kv_len for r in reqs],
             extend_lens=[t] * len(reqs),
             out_cache_loc=loc,
@@ -532,6 +535,13 @@ class Scheduler:
 
     def _alloc_extend(self, reqs: Sequence[Req], prefix: list[int], seq: list[int]) -> Optional[torch.Tensor]:
         """Slots for positions [prefix, seq) of each request, evicting from the prefix cache if short."""
+        if self.page_size == 1:  # no page tails to fill: one slice of the free list
+            need = sum(s - p for p, s in zip(prefix, seq))
+            loc = self.allocator.alloc(need)
+            if loc is None:
+                self.tree_cache.evict(need - self.allocator.available_size())
+                loc = self.allocator.alloc(need)
+            return loc
         table = self.req_to_token_pool.req_to_token
         # One gather (one device sync) for every request's last slot; prefix 0 reads column 0, ignored.
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=table.device)
