@@ -1,7 +1,7 @@
 """Triton attention kernels (interpreter on CPU) equal the torch_native reference on random paged layouts."""
 
 SUITE = "unit-cpu"
-EST_TIME = 70
+EST_TIME = 90
 
 import itertools
 
@@ -74,9 +74,8 @@ def test_blocks_through_extend_kernel(mode, page_size, num_kv_heads, group, slid
     check_equal(mode, page_size, num_kv_heads, group, 64, torch.float32, 6, backend_kw={"split_block_max": 0}, sliding_window=sliding_window)
 
 
-@pytest.mark.parametrize("sliding_window", [None, 9])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_short_ragged_extend_through_split_kernel(sliding_window, group):
+@pytest.mark.parametrize("group,sliding_window", [(1, None), (8, 9)])
+def test_short_ragged_extend_through_split_kernel(group, sliding_window):
     """An EXTEND whose requests add 1..32 tokens (ragged) takes the split-K path."""
     check_equal(ForwardMode.EXTEND, 16, 1, group, 64, torch.float32, 8, lens=([0, 45, 3], [17, 1, 32]), sliding_window=sliding_window)
 
