@@ -224,7 +224,10 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
 
     async def _server_info() -> JSONResponse:
         state = await tm.get_internal_state()
-        return JSONResponse(json.loads(json.dumps(server_info(runtime, state), default=str)))
+        info = server_info(runtime, state)
+        # sglang-router reads these top-level keys at registration (PD mode needs disaggregation_mode).
+        info.update(tokenizer_path=args.tokenizer_path or args.model_path, is_generation=True)
+        return JSONResponse(json.loads(json.dumps(info, default=str)))
 
     @app.get("/get_server_info")
     async def get_server_info() -> JSONResponse:
