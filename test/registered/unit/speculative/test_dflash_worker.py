@@ -257,7 +257,10 @@ def test_sampling_temperature_1_matches_target_distribution(trained):
 def _tp_rank_main(rank: int, world_size: int, init_method: str, target_dir: str, draft_dir: str, prompts, max_new):
     args = spec_args(target_dir, draft_dir, tp_size=world_size)
     worker = create_dflash_worker(args, rank=rank, world_size=world_size, dist_init_method=init_method)
-    run = generate(Scheduler(args, worker), prompts, [greedy(max_new)] * len(prompts))
+    # Greedy requests, then the same prompts sampled at temperature 1 (ranks must agree on every draw).
+    params = [greedy(max_new)] * len(prompts)
+    params += [SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=50 + i) for i in range(len(prompts))]
+    run = generate(Scheduler(args, worker), prompts + prompts, params)
     attn = worker.draft_model.layers[0].self_attn
     return {
         "ids": run.ids,
@@ -282,6 +285,8 @@ def test_greedy_tp2_matches_reference(trained):
             assert res["ids"][f"r{i}"] == ref_ids
             assert res["steps"][f"r{i}"][1:] == ref_lens
     assert any(max(res["steps"][f"r{i}"][1:]) > 1 for i in range(len(prompts)) for res in results)
+    n = len(prompts)
+    assert [results[0]["ids"][f"r{n + i}"] for i in range(n)] == [results[1]["ids"][f"r{n + i}"] for i in range(n)]
 
 
 def test_dspark_greedy_is_lossless_and_zeroed_head_equals_dflash(trained, tmp_path):
