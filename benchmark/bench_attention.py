@@ -38,6 +38,7 @@ class DecodeBenchCase:
     page_size: int
     dtype: str
     layout: str  # "shuffled" pages or "contiguous"
+    block_size: int = 1  # queries per request: 1 = decode, B = a causal verify block (split-K kernel)
 
 
 @dataclass
@@ -73,7 +74,11 @@ def run_case(case: DecodeBenchCase, device: torch.device, seed: int = 0) -> Deco
     """Build a paged pool for ``case``, time decode attention and a same-size copy, check a few outputs."""
     from sglite.srt.layers.attention.torch_native_backend import attention_mask, dense_attention
     from sglite.srt.layers.attention.triton_backend import choose_num_kv_splits
-    from sglite.srt.layers.attention.triton_ops.decode_attention import alloc_decode_buffers, decode_attention_fwd
+    from sglite.srt.layers.attention.triton_ops.decode_attention import (
+        alloc_decode_buffers,
+        block_split_attention_fwd,
+        decode_attention_fwd,
+    )
 
     on_cuda = device.type == "cuda"
     dtype = DTYPES[case.dtype]
@@ -94,22 +99,30 @@ def run_case(case: DecodeBenchCase, device: torch.device, seed: int = 0) -> Deco
     req_to_token[1:] = (pages[:, pos // ps] * ps + pos % ps).to(torch.int32)
     req_pool_indices = torch.arange(1, bs + 1, device=device)
     seq_lens = torch.full((bs,), seq, dtype=torch.int64, device=device)
-    q = torch.randn(bs, heads, d, generator=gen, device=device, dtype=dtype)
+    blk = case.block_size
+    q = torch.randn(bs * blk, heads, d, generator=gen, device=device, dtype=dtype)
     o = torch.empty_like(q)
-    splits = choose_num_kv_splits(bs, hkv, case.group, device)
-    mid_o, mid_lse = alloc_decode_buffers(bs, heads, d, splits, device)
+    splits = choose_num_kv_splits(bs, hkv, case.group, device, 1 if blk == 1 else 1 << (blk - 1).bit_length())
+    mid_o, mid_lse = alloc_decode_buffers(bs * blk, heads, d, splits, device)
+    extend_lens = torch.full((bs,), blk, dtype=torch.int64, device=device)
+    q_start = torch.arange(bs, device=device) * blk
     scale = d**-0.5
 
     def attn() -> None:
-        decode_attention_fwd(q, o, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale, splits, None, mid_o, mid_lse)
+        if blk == 1:
+            decode_attention_fwd(q, o, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale, splits, None, mid_o, mid_lse)
+        else:
+            block_split_attention_fwd(q, o, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, extend_lens, q_start,
+                                      blk, scale, True, splits, None, mid_o, mid_lse)
 
     attn()  # compile / autotune outside the timing
     check = min(bs, 2)
     err = 0.0
     for b in range(check):
         slots = req_to_token[b + 1].long()
-        ref = dense_attention(q[b : b + 1], k_buf[slots], v_buf[slots], attention_mask(seq - 1, 1, True, None, device), scale)
-        err = max(err, (o[b : b + 1].float() - ref).abs().max().item())
+        rows = slice(b * blk, (b + 1) * blk)
+        ref = dense_attention(q[rows], k_buf[slots], v_buf[slots], attention_mask(seq - blk, blk, True, None, device), scale)
+        err = max(err, (o[rows].float() - ref).abs().max().item())
 
     kv_bytes = bs * seq * hkv * 2 * d * k_buf.element_size()
     src = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
@@ -147,6 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--layout", choices=["shuffled", "contiguous"], default="shuffled")
+    parser.add_argument("--block-size", type=int, default=1, help="queries per request: 1 = decode, B = causal verify block (<= 32)")
     parser.add_argument("--out", default=None, help="write results as JSON to this file")
     args = parser.parse_args(argv)
 
@@ -168,11 +182,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     results = []
     for bs, seq in cases:
-        case = DecodeBenchCase(batch_size=bs, seq_len=seq, layout=args.layout, **geometry)
+        case = DecodeBenchCase(batch_size=bs, seq_len=seq, layout=args.layout, block_size=args.block_size, **geometry)
         r = run_case(case, device)
         results.append(r)
         print(
-            f"bs={bs:4d} ctx={seq:6d} kv={r.kv_bytes / 2**20:9.1f} MiB splits={r.num_kv_splits:2d} "
+            f"bs={bs:4d} ctx={seq:6d} block={args.block_size:2d} kv={r.kv_bytes / 2**20:9.1f} MiB splits={r.num_kv_splits:2d} "
             f"attn {r.attn_ms:8.3f} ms {r.attn_gbps:8.1f} GB/s | copy {r.copy_gbps:8.1f} GB/s | "
             f"ratio {r.ratio:5.2f} | max err {r.max_abs_err:.2e}"
         )

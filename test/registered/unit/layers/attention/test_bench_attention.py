@@ -23,15 +23,16 @@ def _load_bench():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke path; CUDA runs it in scripts/gpu_check.sh")
-def test_cpu_smoke_run_writes_json(tmp_path, capsys):
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_cpu_smoke_run_writes_json(tmp_path, capsys, block_size):
     bench = _load_bench()
     out = tmp_path / "attn.json"
-    assert bench.main(["--cases", "2x40", "--page-size", "1", "--out", str(out)]) == 0
+    assert bench.main(["--cases", "2x40", "--page-size", "1", "--block-size", str(block_size), "--out", str(out)]) == 0
     assert "NOT meaningful" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["meaningful"] is False
     (r,) = data["results"]
-    assert r["case"]["batch_size"] == 2 and r["case"]["seq_len"] == 40
+    assert r["case"]["batch_size"] == 2 and r["case"]["seq_len"] == 40 and r["case"]["block_size"] == block_size
     assert r["kv_bytes"] == 2 * 40 * 1 * 2 * 64 * 4  # bs * ctx * kv_heads * (K+V) * head_dim * fp32
     assert r["max_abs_err"] < 1e-4  # the kernel's output matched dense attention
 
