@@ -257,7 +257,9 @@ def test_behind_sglang_router(server, hf_model, hf_tokenizer, tmp_path):
     log = open(tmp_path / "router.log", "w")
     router = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-urls", server.base, "--policy", "round_robin", "--api-key", API_KEY],
+         "--worker-urls", server.base, "--policy", "round_robin", "--api-key", API_KEY,
+         # Its metrics exporter defaults to port 29000: another router on the box would collide.
+         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
         stdout=log, stderr=subprocess.STDOUT,
     )
     try:
@@ -270,7 +272,8 @@ def test_behind_sglang_router(server, hf_model, hf_tokenizer, tmp_path):
                 break
             except (openai.APIConnectionError, openai.InternalServerError, openai.NotFoundError):
                 if time.monotonic() > deadline or router.poll() is not None:
-                    raise
+                    log.flush()
+                    raise AssertionError("router not serving:\n" + (tmp_path / "router.log").read_text()[-3000:])
                 time.sleep(0.5)
         ref = hf_greedy(hf_model, chat_ids(hf_tokenizer, messages), 12)
         assert r.choices[0].message.content == hf_tokenizer.decode(ref, skip_special_tokens=True)
