@@ -24,6 +24,7 @@ TRANSFER_BACKENDS = ("mooncake", "fake")
 DEVICES = ("cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 
 
 class ServerArgsError(ValueError):
@@ -65,6 +66,9 @@ class ServerArgs:
     pp_size: int = _opt("Pipeline-parallel size (only 1 is supported)", 1)
     dist_init_addr: Optional[str] = _opt("host:port for torch.distributed rendezvous; default: a free local port")
     dist_timeout: int = _opt("Seconds before a distributed init or collective gives up", 60)
+    load_balance_method: str = _opt(
+        "How the data-parallel controller picks a DP group per request", "round_robin", LOAD_BALANCE_METHODS
+    )
 
     # Memory and scheduling.
     kv_cache_dtype: str = _opt("KV cache dtype", "auto", KV_CACHE_DTYPES)
@@ -144,6 +148,7 @@ class ServerArgs:
             ("--disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES),
             ("--disaggregation-transfer-backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS),
             ("--device", self.device, DEVICES + (None,)),
+            ("--load-balance-method", self.load_balance_method, LOAD_BALANCE_METHODS),
         ):
             _require(value in allowed, f"{flag} {value!r} is unknown; choose one of {[a for a in allowed if a]}")
         algo = self.speculative_algorithm

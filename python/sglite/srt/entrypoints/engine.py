@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
+from sglite.srt.managers.data_parallel_controller import format_rank_report
 from sglite.srt.managers.io_struct import (
     GenerateReqInput,
     PortArgs,
@@ -75,9 +76,11 @@ def launch_subprocesses(
     """Start scheduler ranks + detokenizer, wait until ready, return the runtime (raises LaunchError)."""
     from sglite.srt.managers.detokenizer_manager import load_tokenizer, run_detokenizer_process
 
-    if server_args.dp_size > 1 and not server_args.enable_dp_attention:
-        raise LaunchError("--dp-size > 1 needs --enable-dp-attention (sglite has no separate DP controller)")
     entry = scheduler_entry or _default_scheduler_entry()
+    if server_args.dp_size > 1:  # DP replicas or DP attention: a controller in front of the DP groups
+        from sglite.srt.managers.data_parallel_controller import launch_dp_subprocesses
+
+        return launch_dp_subprocesses(server_args, scheduler_entry=entry, startup_timeout_s=startup_timeout_s)
     port_args = PortArgs.create(server_args)
     ctx = mp.get_context("spawn")
     world_size = server_args.tp_size
@@ -107,6 +110,9 @@ def launch_subprocesses(
         _kill_all(processes)
         shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
         raise
+    for info_r in infos:
+        if info_r.rank_report is not None:
+            logger.info("%s", format_rank_report(info_r.rank_report))
     info = infos[0]
     tm = TokenizerManager(server_args, port_args, tokenizer, info, child_processes=processes)
     return LaunchedRuntime(server_args, port_args, tm, info, processes, infos)
@@ -150,7 +156,10 @@ def server_info(runtime: LaunchedRuntime, internal_state: dict[str, Any]) -> dic
         "memory_plan": runtime.scheduler_info.memory_plan,
         "memory_plan_per_rank": [info.memory_plan for info in runtime.rank_infos],
         "max_total_num_tokens": runtime.scheduler_info.max_total_num_tokens,
-        "internal_states": [internal_state],
+        # With DP the controller merges every group's state and lists each (with its dp_rank).
+        "internal_states": internal_state.get("dp_internal_states") or [internal_state],
+        "dp_size": runtime.server_args.dp_size,
+        "ranks": [info.rank_report for info in runtime.rank_infos],
         "process_pids": {name: proc.pid for name, proc in runtime.processes},
         "front_end": {
             "num_tracked_reqs": len(runtime.tokenizer_manager.rid_to_state),

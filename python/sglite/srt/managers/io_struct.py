@@ -271,6 +271,9 @@ class SchedulerReady:
     context_len: int
     vocab_size: int
     memory_plan: dict[str, Any] = field(default_factory=dict)
+    # Widths, KV heads, cell sizes, planned vs allocated pool bytes of the sending rank
+    # (data_parallel_controller.rank_report); None from workers that build no pools (test fakes).
+    rank_report: Optional[dict[str, Any]] = None
 
 
 @dataclass

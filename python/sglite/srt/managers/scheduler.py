@@ -717,6 +717,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
     import zmq
 
     from sglite.srt.managers.detokenizer_manager import load_tokenizer
+    from sglite.srt.managers.data_parallel_controller import rank_report
     from sglite.srt.managers.io_struct import SchedulerInitError, SchedulerReady
     from sglite.srt.managers.subprocess_watchdog import watch_parent
 
@@ -744,12 +745,22 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
             context_len=scheduler.context_len,
             vocab_size=int(runner.model_config.vocab_size),
             memory_plan=worker.memory_plan(),
+            rank_report=rank_report(worker) if _builds_pools(worker) else None,
         )
     except BaseException as e:  # report start-up failures to the launcher, then exit non-zero
         pipe_writer.send(SchedulerInitError(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
         raise
     recv_sock = send_sock = None
-    if rank == 0:
+    # The front of this rank's DP group talks to the outside and broadcasts to the group. The group is
+    # the attention-TP group: the TP group without DP attention, one attention-DP group with it.
+    bcast_group = None
+    is_front = rank == 0
+    if world_size > 1:
+        from sglite.srt.distributed.parallel_state import get_attn_tp_group
+
+        bcast_group = get_attn_tp_group()
+        is_front = bcast_group.is_first_rank
+    if is_front:
         ctx = zmq.Context()
         recv_sock = ctx.socket(zmq.PULL)
         recv_sock.bind(port_args.scheduler_input_ipc_name)
@@ -757,9 +768,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
         send_sock.connect(port_args.detokenizer_ipc_name)
     pipe_writer.send(ready)
     pipe_writer.close()
-    tp_group = None
-    if world_size > 1:
-        from sglite.srt.distributed.parallel_state import get_tp_group
+    scheduler.event_loop(recv_sock, send_sock, bcast_group)
 
-        tp_group = get_tp_group()
-    scheduler.event_loop(recv_sock, send_sock, tp_group)
+
+def _builds_pools(worker: Any) -> bool:
+    """Whether the worker has real KV pools to report (test fakes have none)."""
+    runner = getattr(worker, "model_runner", None) or getattr(worker, "target_runner", None)
+    return runner is not None and getattr(runner, "token_to_kv_pool", None) is not None
