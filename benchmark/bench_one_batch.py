@@ -32,13 +32,6 @@ class OneBatchResult:
     decode_tok_s: float
 
 
-def default_model_path() -> str:
-    """The embedded default target shipped with the package."""
-    import sglite
-
-    return os.path.join(os.path.dirname(sglite.__file__), "assets", "default_model")
-
-
 def _prompts(batch_size: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(8, vocab_size, (batch_size, input_len), generator=g).tolist()
@@ -129,7 +122,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None, help="Write results as JSON here")
     args = p.parse_args(argv)
-    model_path = args.model_path or default_model_path()
+    from sglite.launch_server import DEFAULT_MODEL_DIR
+
+    model_path = args.model_path or DEFAULT_MODEL_DIR
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         print(f"bench_one_batch: no model at {model_path}; pass --model-path", file=sys.stderr)
         return 2

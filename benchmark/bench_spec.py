@@ -20,13 +20,6 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _assets() -> tuple[str, str]:
-    import sglite
-
-    root = os.path.join(os.path.dirname(sglite.__file__), "assets")
-    return os.path.join(root, "default_model"), os.path.join(root, "default_draft")
-
-
 def _heldout_prompts(model_path: str, num_prompts: int, seed: int) -> list[list[int]]:
     """The same held-out prompts bench_default_acceptance measures acceptance on."""
     spec = importlib.util.spec_from_file_location("bench_default_acceptance", os.path.join(HERE, "bench_default_acceptance.py"))
@@ -42,10 +35,11 @@ def _heldout_prompts(model_path: str, num_prompts: int, seed: int) -> list[list[
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run plain and DFLASH engines on the same prompts and print the speed-up per concurrency."""
-    default_model, default_draft = _assets()
+    from sglite.launch_server import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", default=default_model)
-    p.add_argument("--draft-model-path", default=default_draft)
+    p.add_argument("--model-path", default=DEFAULT_MODEL_DIR)
+    p.add_argument("--draft-model-path", default=DEFAULT_DRAFT_DIR)
     p.add_argument("--speculative-algorithm", default="DFLASH", choices=("DFLASH", "DSPARK"))
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="B; default: the checkpoint's")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])

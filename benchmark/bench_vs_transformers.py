@@ -19,13 +19,6 @@ from typing import Optional
 import torch
 
 
-def default_model_path() -> str:
-    """The embedded default target shipped with the package."""
-    import sglite
-
-    return os.path.join(os.path.dirname(sglite.__file__), "assets", "default_model")
-
-
 def run_transformers(model_path: str, prompts: list[list[int]], output_len: int, concurrency: int, device: str) -> tuple[float, list[list[int]]]:
     """Static batches of `concurrency` prompts through `generate`; returns (wall seconds, outputs)."""
     from transformers import AutoModelForCausalLM
@@ -59,7 +52,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None, help="Write results as JSON here")
     args = p.parse_args(argv)
-    model_path = args.model_path or default_model_path()
+    from sglite.launch_server import DEFAULT_MODEL_DIR
+
+    model_path = args.model_path or DEFAULT_MODEL_DIR
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         print(f"bench_vs_transformers: no model at {model_path}; pass --model-path", file=sys.stderr)
         return 2
