@@ -1,0 +1,142 @@
+"""DataParallelController: dispatch (round robin, shortest queue), abort routing, merged control replies,
+and the rank placement of both DP topologies. No processes: sockets are replaced by recording callables."""
+
+import pytest
+
+from sglite.srt.managers.data_parallel_controller import (
+    DataParallelController,
+    LoadBalancer,
+    plan_dp_placements,
+)
+from sglite.srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    HealthCheckOutput,
+    HealthCheckReq,
+    TokenizedGenerateReqInput,
+    finish_length,
+)
+from sglite.srt.sampling.sampling_params import SamplingParams
+from sglite.srt.server_args import ServerArgs, ServerArgsError
+
+SUITE = "unit-cpu"
+EST_TIME = 2
+
+
+def _req(rid: str) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=[1, 2], sampling_params=SamplingParams(), stream=False)
+
+
+def _out(rids: list[str], finished: list[bool]) -> BatchTokenIDOut:
+    n = len(rids)
+    return BatchTokenIDOut(
+        rids=rids, output_ids=[[7]] * n, finished_reasons=[finish_length(1) if f else None for f in finished],
+        prompt_tokens=[2] * n, completion_tokens=[1] * n, cached_tokens=[0] * n, spec_verify_ct=[0] * n,
+        skip_special_tokens=[True] * n, stop_strs=[[]] * n,
+    )
+
+
+class Recorder:
+    def __init__(self, dp_size: int, method: str) -> None:
+        self.to_groups: list[tuple[int, object]] = []
+        self.to_detok: list[object] = []
+        self.ctrl = DataParallelController(dp_size, method, lambda d, m: self.to_groups.append((d, m)), self.to_detok.append)
+
+    def groups_of(self, cls: type) -> list[int]:
+        return [d for d, m in self.to_groups if isinstance(m, cls)]
+
+
+def test_round_robin_cycles_groups():
+    r = Recorder(3, "round_robin")
+    for i in range(7):
+        r.ctrl.handle_request(_req(f"r{i}"))
+    assert r.groups_of(TokenizedGenerateReqInput) == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_shortest_queue_follows_finishes():
+    r = Recorder(2, "shortest_queue")
+    for rid in ("a", "b", "c"):
+        r.ctrl.handle_request(_req(rid))
+    assert r.groups_of(TokenizedGenerateReqInput) == [0, 1, 0]  # ties go to the lowest group
+    # Group 0 finishes both of its requests: the next two go to group 0 (0 in flight vs 1).
+    r.ctrl.handle_output(0, _out(["a", "c"], [True, True]))
+    r.ctrl.handle_request(_req("d"))
+    assert r.groups_of(TokenizedGenerateReqInput)[-1] == 0
+    # A non-final output does not change the count.
+    r.ctrl.handle_output(1, _out(["b"], [False]))
+    r.ctrl.handle_request(_req("e"))
+    assert r.groups_of(TokenizedGenerateReqInput)[-1] == 0  # 1 vs 1: lowest group
+    assert r.ctrl.balancer.num_in_flight == [2, 1]
+    assert len(r.to_detok) == 2  # token outputs are forwarded unchanged
+
+
+def test_abort_goes_to_owner_only_and_unknown_to_all():
+    r = Recorder(2, "round_robin")
+    r.ctrl.handle_request(_req("x"))
+    r.ctrl.handle_request(_req("y"))
+    r.to_groups.clear()
+    r.ctrl.handle_request(AbortReq(rid="y"))
+    assert r.groups_of(AbortReq) == [1]
+    r.to_groups.clear()
+    r.ctrl.handle_output(1, _out(["y"], [True]))
+    r.ctrl.handle_request(AbortReq(rid="y"))  # finished already: every group treats it as a no-op
+    r.ctrl.handle_request(AbortReq(rid="", abort_all=True))
+    assert r.groups_of(AbortReq) == [0, 1, 0, 1]
+
+
+def test_control_requests_fan_out_and_merge():
+    r = Recorder(2, "round_robin")
+    r.ctrl.handle_request(GetInternalStateReq())
+    r.ctrl.handle_request(FlushCacheReq())
+    r.ctrl.handle_request(HealthCheckReq(rid="h"))
+    assert r.groups_of(GetInternalStateReq) == [0, 1] and r.groups_of(FlushCacheReq) == [0, 1]
+    s0 = {"available_kv_slots": 10, "num_running_reqs": 1, "num_waiting_reqs": 0, "max_total_num_tokens": 100,
+          "avg_spec_accept_length": 2.0, "last_gen_throughput": 1.0, "num_retractions": 0}
+    s1 = dict(s0, available_kv_slots=20, num_running_reqs=2, max_total_num_tokens=90, avg_spec_accept_length=None)
+    # Replies arrive out of order across groups; nothing is sent until every group answered.
+    r.ctrl.handle_output(1, GetInternalStateReqOutput(internal_state=s1))
+    r.ctrl.handle_output(1, FlushCacheReqOutput(success=False, message="busy"))
+    assert r.to_detok == []
+    r.ctrl.handle_output(0, FlushCacheReqOutput(success=True))
+    r.ctrl.handle_output(0, GetInternalStateReqOutput(internal_state=s0))
+    r.ctrl.handle_output(0, HealthCheckOutput(rid="h"))
+    r.ctrl.handle_output(1, HealthCheckOutput(rid="h"))
+    flush, state, health = r.to_detok
+    assert isinstance(flush, FlushCacheReqOutput) and not flush.success and "group 1: busy" in flush.message
+    merged = state.internal_state
+    assert merged["available_kv_slots"] == 30 and merged["num_running_reqs"] == 3
+    assert merged["max_total_num_tokens"] == 90 and merged["avg_spec_accept_length"] == 2.0
+    assert [s["dp_rank"] for s in merged["dp_internal_states"]] == [0, 1]
+    assert merged["dp_internal_states"][1]["available_kv_slots"] == 20
+    assert isinstance(health, HealthCheckOutput)
+
+
+def test_unrequested_reply_is_an_error():
+    r = Recorder(2, "round_robin")
+    with pytest.raises(RuntimeError, match="unrequested"):
+        r.ctrl.handle_output(0, HealthCheckOutput(rid="h"))
+
+
+def test_unknown_method_is_rejected():
+    with pytest.raises(ValueError, match="--load-balance-method"):
+        LoadBalancer(2, "random")
+    with pytest.raises(ServerArgsError, match="--load-balance-method"):
+        ServerArgs(load_balance_method="random").validate()
+
+
+def test_placements_replicas_and_dp_attention():
+    reps = plan_dp_placements(ServerArgs(tp_size=2, dp_size=2), ["tcp://a", "tcp://b"])
+    assert [(p.global_rank, p.rank, p.world_size, p.dp_rank, p.is_front, p.dist_init_method) for p in reps] == [
+        (0, 0, 2, 0, True, "tcp://a"), (1, 1, 2, 0, False, "tcp://a"),
+        (2, 0, 2, 1, True, "tcp://b"), (3, 1, 2, 1, False, "tcp://b"),
+    ]
+    attn = plan_dp_placements(ServerArgs(tp_size=4, dp_size=2, enable_dp_attention=True), ["tcp://a"])
+    assert [(p.rank, p.world_size, p.dp_rank, p.is_front) for p in attn] == [
+        (0, 4, 0, True), (1, 4, 0, False), (2, 4, 1, True), (3, 4, 1, False),
+    ]
+    with pytest.raises(ValueError, match="rendezvous"):
+        plan_dp_placements(ServerArgs(dp_size=2), ["tcp://a"])
