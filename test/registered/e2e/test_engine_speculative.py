@@ -1,5 +1,7 @@
-"""sglite.Engine with a DFLASH draft: greedy output equals transformers' greedy output of the target, and
-the speculation meta (spec_verify_ct, spec_accept_length, avg_spec_accept_length) is reported."""
+"""sglite.Engine with a DFLASH draft at --tp-size 2 (two gloo scheduler ranks): greedy output equals
+transformers' greedy output of the target, the speculation meta (spec_verify_ct, spec_accept_length,
+avg_spec_accept_length) is reported, and the launcher reports one memory plan per rank.
+(One engine covers both the multi-rank launcher and speculation: engine start-up dominates on 2 cores.)"""
 
 import os
 
@@ -9,13 +11,13 @@ import torch
 from conftest import CHILD_ENV
 
 SUITE = "e2e-cpu"
-EST_TIME = 60
+EST_TIME = 90
 
 pytestmark = pytest.mark.timeout(300)
 EOS = 2
 
 
-def test_dflash_engine_greedy_and_meta(tmp_path):
+def test_dflash_tp2_engine_greedy_and_meta(tmp_path):
     import sglite
     from sglite.testing.tiny_dflash import build_tiny_dflash_draft
     from sglite.testing.tiny_models import build_tiny_model, load_hf_model
@@ -33,7 +35,7 @@ def test_dflash_engine_greedy_and_meta(tmp_path):
             refs.append(g[: g.index(EOS) + 1] if EOS in g else g)
     os.environ.update(CHILD_ENV)
     engine = sglite.Engine(model_path=target, speculative_algorithm="DFLASH", speculative_draft_model_path=draft,
-                           device="cpu", cpu_kv_cache_budget_mb=4)
+                           device="cpu", cpu_kv_cache_budget_mb=4, tp_size=2)
     try:
         outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0})
         assert [o["output_ids"] for o in outs] == refs
@@ -46,5 +48,9 @@ def test_dflash_engine_greedy_and_meta(tmp_path):
         assert info["speculative_algorithm"] == "DFLASH"
         assert info["internal_states"][0]["avg_spec_accept_length"] >= 1.0
         assert info["memory_plan"]["draft_cell_bytes"] > 0
+        assert set(info["process_pids"]) == {"scheduler rank 0", "scheduler rank 1", "detokenizer"}
+        plans = info["memory_plan_per_rank"]
+        assert len(plans) == 2 and plans[0]["max_total_num_tokens"] == plans[1]["max_total_num_tokens"]
+        assert plans[0]["attn_tp_size"] == 2
     finally:
         engine.shutdown()
