@@ -31,6 +31,8 @@ class Req:
     sampling_params: SamplingParams
     input_text: Optional[str] = None
     stream: bool = False
+    return_logprob: bool = False
+    output_token_logprobs: list[float] = field(default_factory=list)  # one per output token when asked
     output_ids: list[int] = field(default_factory=list)
     finished_reason: Optional[FinishReason] = None
 
@@ -107,6 +109,14 @@ class ScheduleBatch:
     out_cache_loc: torch.Tensor
     req_to_token_pool: Any
     token_to_kv_pool_allocator: Any
+    # Filled by a worker with ``supports_logprobs`` when ``return_logprob``: per request, the log-probability
+    # (log_softmax of the raw logits) of each token it returned, aligned with the returned token ids.
+    next_token_logprobs: Optional[list[list[float]]] = None
+
+    @property
+    def return_logprob(self) -> bool:
+        """Whether any request of the batch asked for logprobs."""
+        return any(r.return_logprob for r in self.reqs)
 
     @property
     def batch_size(self) -> int:

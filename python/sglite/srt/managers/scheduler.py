@@ -76,6 +76,7 @@ class ModelWorker(Protocol):
     context_len: int
     num_decode_tokens_per_req: int  # slots allocated per request per decode step (1, or B for spec)
     is_speculative: bool
+    # Optional: ``supports_logprobs = True`` when the worker fills ``batch.next_token_logprobs``.
 
     def forward_prefill(self, batch: ScheduleBatch) -> list[list[int]]:
         """Run the prefill; return one sampled token per request (ignored for unfinished chunks)."""
@@ -165,6 +166,7 @@ class Scheduler:
             sampling_params=recv.sampling_params,
             input_text=recv.input_text,
             stream=recv.stream,
+            return_logprob=bool(recv.return_logprob),
             bootstrap_host=recv.bootstrap_host,
             bootstrap_port=recv.bootstrap_port,
             bootstrap_room=recv.bootstrap_room,
@@ -200,6 +202,8 @@ class Scheduler:
             )
         if req.sampling_params.stop and self.tokenizer is None:
             return "stop strings need a tokenizer in the scheduler"
+        if req.return_logprob and not getattr(self.worker, "supports_logprobs", False):
+            return f"return_logprob is not supported by {type(self.worker).__name__} (speculative decoding)"
         return None
 
     def abort_request(self, recv: AbortReq) -> None:
@@ -376,7 +380,7 @@ class Scheduler:
         if len(results) != batch.batch_size:
             raise RuntimeError(f"worker returned {len(results)} results for {batch.batch_size} requests")
         decoding = {id(r) for r in self.running}  # requests mixed in with one decode token each
-        for req, n, tokens in zip(batch.reqs, batch.extend_lens, results):
+        for i, (req, n, tokens) in enumerate(zip(batch.reqs, batch.extend_lens, results)):
             req.kv_len += n
             if req.kv_len < req.seq_len:
                 continue  # an unfinished chunk: its sampled token is meaningless
@@ -385,7 +389,8 @@ class Scheduler:
             if self.disagg is not None and self.disaggregation_mode == "prefill":
                 self.disagg.hand_off(req, tokens[0])  # PD: the decode node continues from here
                 continue
-            self._append_tokens(req, tokens)
+            kept = self._append_tokens(req, tokens)
+            self._record_logprobs(req, batch, i, kept)
             if req.finished:
                 if id(req) in decoding:
                     self.running.remove(req)
@@ -436,7 +441,7 @@ class Scheduler:
         self.num_decode_forwards += 1
         if len(results) != len(reqs):
             raise RuntimeError(f"worker returned {len(results)} results for {len(reqs)} requests")
-        for req, tokens in zip(reqs, results):
+        for i, (req, tokens) in enumerate(zip(reqs, results)):
             if not 1 <= len(tokens) <= t:
                 raise RuntimeError(f"decode must return 1..{t} tokens per request, got {len(tokens)}")
             if self.worker.is_speculative:
@@ -446,6 +451,7 @@ class Scheduler:
                 self.spec_accepted_total += len(tokens)
             old_kv = req.kv_len
             kept = self._append_tokens(req, tokens)
+            self._record_logprobs(req, batch, i, kept)
             req.kv_len = old_kv + kept
             self._free_positions(req, self._round_up(req.kv_len), old_kv + t)
             if req.finished:
@@ -487,6 +493,14 @@ class Scheduler:
                 break
         self._touch(req)
         return kept
+
+    def _record_logprobs(self, req: Req, batch: ScheduleBatch, i: int, kept: int) -> None:
+        """Keep the logprobs of the ``kept`` tokens just appended (when the request asked for them)."""
+        if not req.return_logprob:
+            return
+        if batch.next_token_logprobs is None:
+            raise RuntimeError(f"{type(self.worker).__name__} returned no logprobs for a return_logprob batch")
+        req.output_token_logprobs.extend(batch.next_token_logprobs[i][:kept])
 
     def _check_finished(self, req: Req) -> None:
         sp = req.sampling_params
@@ -580,6 +594,11 @@ class Scheduler:
             spec_verify_ct=[r.spec_verify_ct for r in reqs],
             skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
             stop_strs=[list(r.sampling_params.stop) for r in reqs],
+            output_token_logprobs=(
+                [r.output_token_logprobs[r.sent_len :] if r.return_logprob else None for r in reqs]
+                if any(r.return_logprob for r in reqs)
+                else None
+            ),
         )
         for r in reqs:
             r.sent_len = len(r.output_ids)

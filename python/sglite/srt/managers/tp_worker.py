@@ -17,6 +17,7 @@ class TpModelWorker:
 
     is_speculative = False
     num_decode_tokens_per_req = 1
+    supports_logprobs = True
 
     def __init__(self, model_runner: Any) -> None:
         self.model_runner = model_runner
@@ -54,7 +55,12 @@ class TpModelWorker:
         runner = self.model_runner
         fb = batch.to_forward_batch(runner.token_to_kv_pool, runner.attn_backend)
         out = runner.forward(fb)
-        next_ids = runner.sample(out.next_token_logits, self._sampling_info(batch))
+        logits = out.next_token_logits
+        next_ids = runner.sample(logits, self._sampling_info(batch))
+        if batch.return_logprob:
+            # The model's own distribution (raw logits, before temperature / top-k / top-p), as vLLM reports it.
+            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, next_ids.view(-1, 1).to(logits.device))
+            batch.next_token_logprobs = [[float(x)] for x in logprobs.view(-1).tolist()]
         return [[int(t)] for t in next_ids.tolist()]
 
     def forward_prefill(self, batch: ScheduleBatch) -> list[list[int]]:

@@ -371,3 +371,14 @@ def test_mixed_chunk_random_workload():
         assert res[rid][0] == reference_generate(p, max_news[rid], VOCAB, eos_token_ids=[EOS]), rid
     assert any(kind == "prefill" and bs > 1 for kind, bs in w.batch_sizes)
     _assert_no_leak(s)
+
+
+def test_return_logprob_needs_a_supporting_worker():
+    w = FakeModelWorker(vocab_size=VOCAB)  # the fake computes no logprobs
+    s = _sched(w)
+    req = _req("lp", [5, 6, 7], max_new=3)
+    req.return_logprob = True
+    s.add_request(req)
+    res = _collect(s.run_until_idle())
+    assert res["lp"][1]["type"] == "abort" and "return_logprob" in res["lp"][1]["message"]
+    _assert_no_leak(s)

@@ -145,3 +145,33 @@ def test_abort_frees_slots(tiny, rank0):
     for i in range(len(PROMPTS)):
         assert res[f"r{i}"]["ids"] == expected[i][: len(res[f"r{i}"]["ids"])]
     _assert_clean(s)
+
+
+def test_logprobs_equal_transformers(tiny, rank0):
+    d, expected = tiny
+    hf = load_hf_model(d)
+    s = _scheduler(d, chunked_prefill_size=8)
+    prompts = [PROMPTS[1], PROMPTS[3]]
+    for i, p in enumerate(prompts):
+        s.add_request(_req(f"r{i}", p, return_logprob=True, stream=i == 0))
+    s.add_request(_req("plain", PROMPTS[2]))
+    outs = s.run_until_idle()
+    got: dict = {}
+    for o in outs:
+        for j, rid in enumerate(o.rids):
+            lp = o.output_token_logprobs[j] if o.output_token_logprobs is not None else None
+            if rid == "plain":
+                assert lp is None
+            else:
+                got[rid] = got.get(rid, []) + lp
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            gen = hf.generate(
+                torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )
+        ids = gen.sequences[0, len(p) :]
+        ref = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, ids)]
+        assert len(got[f"r{i}"]) == MAX_NEW
+        torch.testing.assert_close(torch.tensor(got[f"r{i}"]), torch.tensor(ref), atol=1e-4, rtol=0)
+    _assert_clean(s)
