@@ -57,7 +57,7 @@ class DecodePrealloc:
         if req.bootstrap_room is None or req.bootstrap_host is None:
             self.scheduler._finish_now(req, finish_abort(
                 "this is a decode node (--disaggregation-mode decode): requests need bootstrap_host, "
-                "bootstrap_port and bootstrap_room, sent by a PD router"))
+                "bootstrap_port and bootstrap_room, sent by a PD router", status_code=400))
             return
         self.prealloc_queue.append(req)
 
@@ -121,7 +121,7 @@ class DecodePrealloc:
                 error = self.manager.error(req.bootstrap_room) or "KV transfer failed"
                 self.num_failed += 1
                 logger.warning("room %s: %s", req.bootstrap_room, error)
-                self._drop(req, slots, finish_abort(f"KV from the prefill node never arrived: {error}"))
+                self._drop(req, slots, finish_abort(f"KV from the prefill node never arrived: {error}", status_code=500))
             else:
                 still.append((req, slots))
         self.transfer_queue = still

@@ -58,7 +58,7 @@ class PrefillHandoff:
         if req.bootstrap_room is None:
             self.scheduler._finish_now(req, finish_abort(
                 "this is a prefill node (--disaggregation-mode prefill): requests need bootstrap_room, "
-                "sent by a PD router"))
+                "sent by a PD router", status_code=400))
             return
         req.output_ids.append(int(first_token))
         src = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.origin_input_ids)]
@@ -90,7 +90,7 @@ class PrefillHandoff:
                 self.num_failed += 1
                 error = self.manager.error(req.bootstrap_room) or "KV transfer failed"
                 logger.warning("room %s: %s", req.bootstrap_room, error)
-                self._finish(req, finish_abort(f"KV transfer to the decode node failed: {error}"))
+                self._finish(req, finish_abort(f"KV transfer to the decode node failed: {error}", status_code=500))
             else:
                 still.append(req)
         self.inflight = still

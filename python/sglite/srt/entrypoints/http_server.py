@@ -30,6 +30,7 @@ from sglite.srt.entrypoints.engine import LaunchedRuntime, LaunchError, launch_s
 from sglite.srt.entrypoints.metrics import ServerMetrics
 from sglite.srt.entrypoints.openai.protocol import AbortRequest, GenerateRequest, error_body
 from sglite.srt.entrypoints.openai.serving_base import (
+    abort_error_response,
     error_response,
     parse_model,
     read_json_body,
@@ -158,6 +159,9 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
 
         async def full() -> Response:
             outs = sorted([o async for o in tm.generate_request(obj, tokenized)], key=lambda o: o["index"])
+            failed = abort_error_response([o["meta_info"] for o in outs])
+            if failed is not None:
+                return failed
             public = [{"text": o["text"], "output_ids": o["output_ids"], "meta_info": o["meta_info"]} for o in outs]
             return JSONResponse(public if obj.is_batch else public[0])
 

@@ -41,9 +41,16 @@ def finish_length(length: int) -> FinishReason:
     return {"type": "length", "length": length}
 
 
-def finish_abort(message: str = "aborted") -> FinishReason:
-    """The request was aborted (client disconnect, /abort_request, or an error)."""
-    return {"type": "abort", "message": message}
+def finish_abort(message: str = "aborted", status_code: Optional[int] = None) -> FinishReason:
+    """The request was aborted (client disconnect, /abort_request, or an error).
+
+    ``status_code`` marks a server-side failure (e.g. a PD KV transfer that failed): a non-streaming
+    HTTP request then answers with that status and the message instead of a 200.
+    """
+    reason: FinishReason = {"type": "abort", "message": message}
+    if status_code is not None:
+        reason["status_code"] = int(status_code)
+    return reason
 
 
 def new_rid() -> str:

@@ -275,3 +275,21 @@ def test_duplicate_rid_and_missing_bootstrap_fields(pair_factory):
     pr.step("d")
     _assert_no_leak(pr.d)
     _assert_no_leak(pr.p)
+
+
+def test_transfer_failure_is_a_server_error_for_http_clients(pair_factory):
+    import json
+
+    from sglite.srt.entrypoints.openai.serving_base import abort_error_response
+
+    pr = pair_factory(backend_cls=FakeTransferBackend)
+    pr.d.add_request(pr.req("f", [5, 6, 7], port=_free_port()))
+    pr.run("d")
+    reason = pr.results("d")["f"][1]
+    assert reason["status_code"] == 500
+    resp = abort_error_response([{"finish_reason": reason}])
+    assert resp.status_code == 500
+    body = json.loads(resp.body)
+    assert body["type"] == "InternalServerError" and "bootstrap server" in body["message"]
+    # A client's own abort stays a normal (200) response with finish_reason abort.
+    assert abort_error_response([{"finish_reason": {"type": "abort", "message": "aborted"}}]) is None

@@ -34,6 +34,17 @@ def error_response(message: str, *, param: Optional[str] = None, status: int = 4
     return JSONResponse(error_body(message, err_type=err_type, param=param, code=status), status_code=status)
 
 
+def abort_error_response(metas: list[dict[str, Any]]) -> Optional[JSONResponse]:
+    """The error response of a request aborted by a server-side failure (finish reason with a status_code)."""
+    for meta in metas:
+        reason = meta.get("finish_reason") or {}
+        if reason.get("type") == "abort" and reason.get("status_code"):
+            code = int(reason["status_code"])
+            return error_response(str(reason.get("message", "aborted")), status=code,
+                                  err_type="InternalServerError" if code >= 500 else "BadRequestError")
+    return None
+
+
 def validation_error_message(e: ValidationError) -> tuple[str, Optional[str]]:
     """One readable line (and the offending field) from a pydantic ValidationError."""
     parts, param = [], None

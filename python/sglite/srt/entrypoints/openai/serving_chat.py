@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import JSONResponse, Response
 
 from sglite.srt.entrypoints.openai.protocol import ChatCompletionRequest
-from sglite.srt.entrypoints.openai.serving_base import OpenAIServingBase, finish_reason_str, sse
+from sglite.srt.entrypoints.openai.serving_base import OpenAIServingBase, abort_error_response, finish_reason_str, sse
 from sglite.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from sglite.srt.managers.tokenizer_manager import RequestValidationError
 
@@ -66,6 +66,9 @@ class OpenAIServingChat(OpenAIServingBase):
             final = out
         assert final is not None, "generate_request ended without a final output"
         meta = final["meta_info"]
+        failed = abort_error_response([meta])
+        if failed is not None:
+            return failed
         body: dict[str, Any] = {
             "id": self.new_id("chatcmpl"),
             "object": "chat.completion",

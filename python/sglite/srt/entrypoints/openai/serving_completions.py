@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import JSONResponse, Response
 
 from sglite.srt.entrypoints.openai.protocol import CompletionRequest
-from sglite.srt.entrypoints.openai.serving_base import OpenAIServingBase, finish_reason_str, sse
+from sglite.srt.entrypoints.openai.serving_base import OpenAIServingBase, abort_error_response, finish_reason_str, sse
 from sglite.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from sglite.srt.managers.tokenizer_manager import RequestValidationError
 
@@ -60,6 +60,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
     async def respond_full(self, req: CompletionRequest, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> Response:
         """One text_completion object with a choice per prompt."""
         finals = sorted([o async for o in self.tm.generate_request(obj, tokenized)], key=lambda o: o["index"])
+        failed = abort_error_response([o["meta_info"] for o in finals])
+        if failed is not None:
+            return failed
         choices, metas = [], []
         for out in finals:
             meta = out["meta_info"]
