@@ -18,7 +18,6 @@ from sglite.srt.layers.attention.base_attn_backend import AttentionBackend, cpu_
 from sglite.srt.layers.attention.triton_ops.common import INTERPRET
 from sglite.srt.layers.attention.triton_ops.decode_attention import (
     MAX_SPLIT_BLOCK,
-    alloc_decode_buffers,
     block_split_attention_fwd,
     decode_attention_fwd,
     split_tile,
@@ -62,10 +61,10 @@ def choose_num_kv_splits(batch_size: int, num_kv_heads: int, group: int, device:
 class TritonAttnBackend(AttentionBackend):
     """Attention over the paged KV pool with the kernels in ``triton_ops``.
 
-    CUDA graphs: metadata lives in persistent buffers updated in place (``q_start``) and decode scratch
-    is cached per batch size, so a graph captured for a batch size replays correctly after
-    ``init_forward_metadata`` refreshes them; call ``reserve(max_batch_size)`` before capturing so no
-    buffer is reallocated afterwards. A captured extend-family graph bakes in its block size (grid).
+    CUDA graphs: metadata lives in persistent buffers updated in place (``q_start``), and the split-K
+    scratch is one grow-only buffer whose outgrown predecessors are kept alive, so a captured graph
+    never points at freed memory; call ``reserve(max_batch_size)`` before capturing so ``q_start`` is
+    not reallocated afterwards. A captured extend-family graph bakes in its block size (grid).
     """
 
     def __init__(
@@ -77,7 +76,8 @@ class TritonAttnBackend(AttentionBackend):
         self.fixed_num_kv_splits = num_kv_splits
         self.split_block_max = split_block_max
         self.metadata: Optional[TritonForwardMetadata] = None
-        self._decode_scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratch_buf: Optional[torch.Tensor] = None
+        self._retired_scratch: list[torch.Tensor] = []
         self._q_start_buf: Optional[torch.Tensor] = None
 
     def reserve(self, max_batch_size: int, device: Optional[torch.device] = None) -> None:
@@ -114,10 +114,18 @@ class TritonAttnBackend(AttentionBackend):
         return choose_num_kv_splits(batch_size, layer.num_kv_heads, layer.kv_group_size, device, block_q)
 
     def _scratch(self, num_tokens: int, layer: "RadixAttention", splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (num_tokens, layer.num_heads, layer.v_head_dim, splits)
-        if key not in self._decode_scratch:
-            self._decode_scratch[key] = alloc_decode_buffers(num_tokens, layer.num_heads, layer.v_head_dim, splits, device)
-        return self._decode_scratch[key]
+        """Split-K partial outputs ``[T, H, S, Dv]`` and log2-sum-exps ``[T, H, S]``, views of one fp32 buffer."""
+        rows = num_tokens * layer.num_heads * splits
+        need = rows * (layer.v_head_dim + 1)
+        buf = self._scratch_buf
+        if buf is None or buf.numel() < need or buf.device != device:
+            if buf is not None:
+                self._retired_scratch.append(buf)  # a captured CUDA graph may still write into it
+            size = need if buf is None else max(need, 2 * buf.numel())
+            buf = self._scratch_buf = torch.empty(size, dtype=torch.float32, device=device)
+        mid_o = buf[: rows * layer.v_head_dim].view(num_tokens, layer.num_heads, splits, layer.v_head_dim)
+        mid_lse = buf[rows * layer.v_head_dim : need].view(num_tokens, layer.num_heads, splits)
+        return mid_o, mid_lse
 
     def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
         """Split-K decode over ``req_to_token[row, :seq_len]``."""

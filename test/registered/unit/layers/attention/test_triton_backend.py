@@ -123,3 +123,17 @@ def test_q_start_buffer_is_reused_in_place():
         backend.init_forward_metadata(case.forward_batch)
         assert backend.metadata.q_start.data_ptr() == buf.data_ptr()
         assert backend.metadata.q_start.tolist() == [sum(extend[:i]) for i in range(len(extend))]
+
+
+def test_split_scratch_is_one_grow_only_buffer():
+    """Split-K scratch is reused across batches; an outgrown buffer stays alive (captured graphs may use it)."""
+    backend = TritonAttnBackend()
+    small = build_case(ForwardMode.DECODE, [3], [1], page_size=1, num_kv_heads=1, group=2, head_dim=16)
+    big = build_case(ForwardMode.TARGET_VERIFY, [3, 5], [4, 4], page_size=1, num_kv_heads=1, group=2, head_dim=16)
+    run_backend(backend, small)
+    first = backend._scratch_buf
+    run_backend(backend, big)
+    grown = backend._scratch_buf
+    assert grown.numel() > first.numel() and backend._retired_scratch == [first]
+    run_backend(backend, small)
+    assert backend._scratch_buf is grown
