@@ -158,7 +158,6 @@ def server_info(runtime: LaunchedRuntime, internal_state: dict[str, Any]) -> dic
         "max_total_num_tokens": runtime.scheduler_info.max_total_num_tokens,
         # With DP the controller merges every group's state and lists each (with its dp_rank).
         "internal_states": internal_state.get("dp_internal_states") or [internal_state],
-        "dp_size": runtime.server_args.dp_size,
         "ranks": [info.rank_report for info in runtime.rank_infos],
         "process_pids": {name: proc.pid for name, proc in runtime.processes},
         "front_end": {
