@@ -153,9 +153,12 @@ def cluster(models, tmp_path_factory):
         procs["bootstrap_port_plain"] = bp_plain
         yield procs
     finally:
-        for p in procs.values():
-            if isinstance(p, Proc):
-                p.stop()
+        running = [p for p in procs.values() if isinstance(p, Proc)]
+        for p in running:  # signal every server first so they shut down in parallel
+            if p.proc.poll() is None:
+                os.killpg(p.proc.pid, signal.SIGTERM)
+        for p in running:
+            p.stop()
 
 
 @pytest.fixture(scope="module")
