@@ -444,13 +444,14 @@ class Scheduler:
         for i, (req, tokens) in enumerate(zip(reqs, results)):
             if not 1 <= len(tokens) <= t:
                 raise RuntimeError(f"decode must return 1..{t} tokens per request, got {len(tokens)}")
-            if self.worker.is_speculative:
-                req.spec_verify_ct += 1
-                req.spec_accepted_tokens += len(tokens)
-                self.spec_verify_total += 1
-                self.spec_accepted_total += len(tokens)
             old_kv = req.kv_len
             kept = self._append_tokens(req, tokens)
+            if self.worker.is_speculative:
+                # Count what the request keeps: a stop inside the accepted run discards the rest.
+                req.spec_verify_ct += 1
+                req.spec_accepted_tokens += kept
+                self.spec_verify_total += 1
+                self.spec_accepted_total += kept
             self._record_logprobs(req, batch, i, kept)
             req.kv_len = old_kv + kept
             self._free_positions(req, self._round_up(req.kv_len), old_kv + t)

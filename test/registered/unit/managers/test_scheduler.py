@@ -196,6 +196,8 @@ def test_stop_token_ids_inside_speculative_run_truncate():
         expect = reference_generate(p, 40, VOCAB, stop_token_ids=[ref[7]])
         assert res[f"r{i}"][0] == expect
         assert res[f"r{i}"][1] == {"type": "stop", "matched": ref[7]}
+    # Accepted-token counters hold what the requests kept: every output token but prefill's first.
+    assert s.spec_accepted_total == sum(len(res[f"r{i}"][0]) - 1 for i in range(len(prompts)))
     _assert_no_leak(s)
 
 
