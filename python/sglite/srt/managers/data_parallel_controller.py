@@ -15,6 +15,7 @@ its outputs to its own controller socket, so a reply is always attributable to i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -22,7 +23,7 @@ import os
 import shutil
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from sglite.srt.managers.io_struct import (
     AbortReq,
@@ -332,6 +333,7 @@ def launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callable
         )
         controller.start()
         processes.append(("data-parallel controller", controller))
+        replica_devices = _replica_cuda_devices(server_args)
         for pl in placements:
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
@@ -339,7 +341,8 @@ def launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callable
                 args=(server_args, group_port_args(port_args, endpoints, pl), pl.rank, pl.world_size, writer),
                 name=f"sglite-scheduler-dp{pl.dp_rank}-rank{pl.global_rank}", daemon=True,
             )
-            proc.start()
+            with _visible_devices(replica_devices[pl.dp_rank] if replica_devices else None):
+                proc.start()
             writer.close()
             processes.append((f"scheduler rank {pl.global_rank} (dp_rank {pl.dp_rank})", proc))
             readers.append(reader)
@@ -376,3 +379,42 @@ def launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callable
     tm = TokenizerManager(server_args, port_args, tokenizer, merged, child_processes=processes)
     return LaunchedRuntime(server_args, port_args, tm, merged, processes, infos)
 
+
+
+def _replica_cuda_devices(server_args: ServerArgs) -> Optional[list[str]]:
+    """CUDA replicas without DP attention: the devices of each replica (its rank r uses the r-th), else None.
+
+    Each replica is its own torch world whose ranks pick ``rank % device_count``; without a per-replica
+    device list every replica's rank 0 would land on the same GPU.
+    """
+    if server_args.enable_dp_attention or server_args.resolved_device() != "cuda":
+        return None
+    import torch
+
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in env.split(",") if d.strip()] if env else [str(i) for i in range(torch.cuda.device_count())]
+    need = server_args.dp_size * server_args.tp_size
+    if len(visible) < need:
+        raise ValueError(
+            f"--dp-size {server_args.dp_size} x --tp-size {server_args.tp_size} needs {need} GPUs but {len(visible)} "
+            "are visible; lower --dp-size / --tp-size or use --enable-dp-attention"
+        )
+    tp = server_args.tp_size
+    return [",".join(visible[d * tp : (d + 1) * tp]) for d in range(server_args.dp_size)]
+
+
+@contextlib.contextmanager
+def _visible_devices(devices: Optional[str]) -> Iterator[None]:
+    """Set CUDA_VISIBLE_DEVICES while a spawned child starts (it copies the environment at start)."""
+    if devices is None:
+        yield
+        return
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old

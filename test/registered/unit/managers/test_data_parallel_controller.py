@@ -140,3 +140,14 @@ def test_placements_replicas_and_dp_attention():
     ]
     with pytest.raises(ValueError, match="rendezvous"):
         plan_dp_placements(ServerArgs(dp_size=2), ["tcp://a"])
+
+
+def test_cuda_replicas_get_disjoint_devices(monkeypatch):
+    from sglite.srt.managers.data_parallel_controller import _replica_cuda_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5,6,7")
+    assert _replica_cuda_devices(ServerArgs(device="cuda", tp_size=2, dp_size=2)) == ["3,4", "5,6"]
+    assert _replica_cuda_devices(ServerArgs(device="cuda", tp_size=2, dp_size=2, enable_dp_attention=True)) is None
+    assert _replica_cuda_devices(ServerArgs(device="cpu", dp_size=2)) is None
+    with pytest.raises(ValueError, match="needs 6 GPUs but 5"):
+        _replica_cuda_devices(ServerArgs(device="cuda", tp_size=3, dp_size=2))
