@@ -207,7 +207,6 @@ class _DecodeRoom:
     first_token: Optional[int] = None
     meta: dict[str, Any] = field(default_factory=dict)
     error: str = ""
-    unreachable_since: Optional[float] = None
 
 
 class DecodeKVManager:
@@ -233,12 +232,12 @@ class DecodeKVManager:
         self._pull = self._ctx.socket(zmq.PULL)
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self._notify = f"tcp://{host}:{port}"
-        self._routes: dict[tuple[str, int], dict[str, Any]] = {}
         self._push: dict[str, zmq.Socket] = {}
         self._rooms: dict[int, _DecodeRoom] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._last_health_check = 0.0
+        self._peer_checked: dict[str, float] = {}  # prefill /health URL -> last probe time
+        self._peer_down_since: dict[str, float] = {}  # prefill /health URL -> first failed probe
         self._thread = threading.Thread(target=self._recv_loop, name="pd-decode-recv", daemon=True)
         self._thread.start()
 
@@ -282,19 +281,20 @@ class DecodeKVManager:
             if now > r.deadline:
                 r.state, r.error = KVPoll.Failed, f"KV for room {room} did not arrive within {self.timeout_s:.0f}s"
                 return r.state
-            check = now - self._last_health_check > 1.0
             url = r.prefill_health_url
-        if check:
-            self._last_health_check = now
+            check = now - self._peer_checked.get(url, 0.0) > 1.0
+        if check:  # at most one /health probe per prefill node per second, shared by all its rooms
             alive = self._peer_alive(url)
             with self._lock:
+                self._peer_checked[url] = now
                 if alive:
-                    r.unreachable_since = None
+                    self._peer_down_since.pop(url, None)
                 else:
-                    r.unreachable_since = r.unreachable_since or now
-                    if now - r.unreachable_since > self.PEER_DEAD_AFTER_S and r.state == KVPoll.Transferring:
-                        r.state, r.error = KVPoll.Failed, f"prefill node stopped answering ({url})"
+                    self._peer_down_since.setdefault(url, now)
         with self._lock:
+            down_since = self._peer_down_since.get(url)
+            if down_since is not None and now - down_since > self.PEER_DEAD_AFTER_S and r.state == KVPoll.Transferring:
+                r.state, r.error = KVPoll.Failed, f"prefill node stopped answering ({url})"
             return r.state
 
     def result(self, room: int) -> tuple[int, dict[str, Any]]:
@@ -324,10 +324,8 @@ class DecodeKVManager:
             s.close(linger=0)
 
     def _route(self, host: str, port: int) -> dict[str, Any]:
-        key = (host, port)
-        if key not in self._routes:
-            self._routes[key] = _http_json("GET", f"http://{host}:{port}/route?engine_rank={self.engine_rank}")
-        return self._routes[key]
+        # Looked up per room, not cached: a restarted prefill node re-registers with new endpoints.
+        return _http_json("GET", f"http://{host}:{port}/route?engine_rank={self.engine_rank}")
 
     @staticmethod
     def _peer_alive(url: str) -> bool:

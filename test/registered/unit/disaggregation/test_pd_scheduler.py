@@ -58,6 +58,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _specs(w):
+    return buffer_specs_from_tensors([("kv_token", w.kv_token), ("kv_pos", w.kv_pos)])
+
+
 class Pair:
     """Prefill scheduler + decode scheduler wired through PrefillHandoff / DecodePrealloc."""
 
@@ -65,22 +69,25 @@ class Pair:
                  decode_timeout_s=30.0, decode_tokens=512):
         self.bootstrap = BootstrapServer("127.0.0.1", _free_port())
         self.port = self.bootstrap.port
-        self.wp = FakeModelWorker(page_size=page_size, block_size=block_size, vocab_size=VOCAB)
+        self.page_size, self.block_size, self.backend_cls = page_size, block_size, backend_cls
         self.wd = FakeModelWorker(page_size=page_size, block_size=block_size, vocab_size=VOCAB,
                                   max_total_num_tokens=decode_tokens)
-        self.p = Scheduler(ServerArgs(page_size=page_size, disaggregation_mode="prefill"), self.wp, eos_token_ids=[EOS])
         self.d = Scheduler(ServerArgs(page_size=page_size, disaggregation_mode="decode"), self.wd, eos_token_ids=[EOS])
 
-        def specs(w):
-            return buffer_specs_from_tensors([("kv_token", w.kv_token), ("kv_pos", w.kv_pos)])
-
-        self.pm = PrefillKVManager(backend_cls(), specs(self.wp), engine_rank=0,
-                                   bootstrap_url=f"http://127.0.0.1:{self.port}", timeout_s=30)
-        self.dm = DecodeKVManager(backend_cls(), specs(self.wd), engine_rank=0, timeout_s=decode_timeout_s)
-        self.p.disagg = PrefillHandoff(self.p, self.pm, bootstrap_server=None)
+        self.start_prefill_node()
+        self.dm = DecodeKVManager(backend_cls(), _specs(self.wd), engine_rank=0, timeout_s=decode_timeout_s)
         self.d.disagg = DecodePrealloc(self.d, self.dm, num_reserved_decode_tokens=reserved)
         self.outs = {"p": [], "d": []}
         self.room = 1000
+
+    def start_prefill_node(self):
+        """A prefill scheduler whose KV manager registers at the bootstrap server (again, after a restart)."""
+        self.wp = FakeModelWorker(page_size=self.page_size, block_size=self.block_size, vocab_size=VOCAB)
+        self.p = Scheduler(ServerArgs(page_size=self.page_size, disaggregation_mode="prefill"), self.wp,
+                           eos_token_ids=[EOS])
+        self.pm = PrefillKVManager(self.backend_cls(), _specs(self.wp), engine_rank=0,
+                                   bootstrap_url=f"http://127.0.0.1:{self.port}", timeout_s=30)
+        self.p.disagg = PrefillHandoff(self.p, self.pm, bootstrap_server=None)
 
     def close(self):
         self.p.disagg.close()
@@ -293,3 +300,15 @@ def test_transfer_failure_is_a_server_error_for_http_clients(pair_factory):
     assert body["type"] == "InternalServerError" and "bootstrap server" in body["message"]
     # A client's own abort stays a normal (200) response with finish_reason abort.
     assert abort_error_response([{"finish_reason": {"type": "abort", "message": "aborted"}}]) is None
+
+
+def test_decode_follows_a_restarted_prefill_node(pair_factory):
+    pr = pair_factory()
+    pr.add("a", [4, 5, 6, 7], max_new=3)
+    pr.run()
+    pr.p.disagg.close()
+    pr.start_prefill_node()  # same bootstrap server, new ZMQ endpoint and buffers
+    pr.add("b", [8, 9, 10, 11, 12], max_new=3)
+    pr.run(timeout=10)
+    assert pr.results("d")["b"][0] == reference_generate([8, 9, 10, 11, 12], 3, VOCAB, eos_token_ids=[EOS])
+    _assert_no_leak(pr.d)
