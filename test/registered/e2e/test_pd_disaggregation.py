@@ -9,6 +9,7 @@ room's KV -> the client gets an abort with the reason, the decode node's slots r
 All servers of the module start in parallel once (the box has 2 cores).
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import torch
 from conftest import CHILD_ENV, SERVER_FLAGS, free_port
 
 SUITE = "e2e-cpu"
-EST_TIME = 170
+EST_TIME = 120
 
 pytest.importorskip("sglang_router")
 pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine-non-cuda (+ libibverbs1, librdmacm1)")
@@ -213,9 +214,19 @@ def test_plain_pd_equals_transformers(cluster, models, hf):
     tok = hf[1]
     ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
     assert r.json()["choices"][0]["message"]["content"] == tok.decode(hf_greedy(hf, ids, 12), skip_special_tokens=True)
+    # Streaming (SSE passes through the router from the decode node).
+    chunks = []
+    with httpx.stream("POST", router + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "def main():", "max_tokens": 6, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                chunks += [c["text"] for c in json.loads(line[5:])["choices"]]
+    pids = tok.encode("def main():")
+    assert "".join(chunks) == tok.decode(hf_greedy(hf, pids, 6), skip_special_tokens=True)
     d, p = cluster["d_plain"].state(), cluster["p_plain"].state()
-    assert d["num_kv_received"] >= len(prompts) + 1 and d["num_kv_transfer_failed"] == 0
-    assert p["num_kv_transferred"] >= len(prompts) + 1
+    assert d["num_kv_received"] >= len(prompts) + 2 and d["num_kv_transfer_failed"] == 0
+    assert p["num_kv_transferred"] >= len(prompts) + 2
     assert d["available_kv_slots"] + d["tree_cache_size"] == d["initial_free_slots"]  # nothing leaked
 
 
