@@ -26,7 +26,8 @@ class TpModelWorker:
         plan = model_runner.memory_pool_config
         self.max_total_num_tokens = int(plan.max_total_num_tokens)
         self.max_running_requests = int(plan.max_running_requests)
-        self.context_len = int(self.req_to_token_pool.req_to_token.shape[1])
+        # The model's context length; the req->token rows are wider (speculative and page slack).
+        self.context_len = int(plan.context_len)
         self.vocab_size = int(model_runner.model_config.vocab_size)
         self.device = torch.device(model_runner.device)
 

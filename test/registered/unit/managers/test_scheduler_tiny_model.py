@@ -175,3 +175,14 @@ def test_logprobs_equal_transformers(tiny, rank0):
         assert len(got[f"r{i}"]) == MAX_NEW
         torch.testing.assert_close(torch.tensor(got[f"r{i}"]), torch.tensor(ref), atol=1e-4, rtol=0)
     _assert_clean(s)
+
+
+def test_context_len_is_the_models_not_the_request_table_width(tiny, rank0):
+    model_dir, _ = tiny
+    s = _scheduler(model_dir)
+    # tiny models have max_position_embeddings 512; req->token rows are wider (speculative/page slack)
+    assert s.context_len == 512 < s.req_to_token_pool.req_to_token.shape[1]
+    s.add_request(_req("too-long", list(range(8, 8 + 500)), max_new=13))
+    out = _collect(s.run_until_idle())["too-long"]
+    assert out["reason"]["type"] == "abort" and "context length 512" in out["reason"]["message"]
+    _assert_clean(s)
