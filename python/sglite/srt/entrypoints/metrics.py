@@ -34,6 +34,10 @@ class ServerMetrics:
                 ("gen_throughput", "Last generation throughput (tokens/s)"),
                 ("spec_accept_length", "Mean accepted tokens per verify step (bonus included)"),
                 ("num_front_end_reqs", "Requests the front end is tracking"),
+                # PD disaggregation (only set on prefill / decode nodes).
+                ("num_decode_prealloc_queue_reqs", "Decode node: requests waiting for KV slots"),
+                ("num_decode_transfer_queue_reqs", "Decode node: requests waiting for their KV"),
+                ("num_prefill_inflight_reqs", "Prefill node: requests whose KV is being shipped"),
             )
         }
 
@@ -59,7 +63,9 @@ class ServerMetrics:
         g = self.gauges
         g["num_front_end_reqs"].labels(m).set(num_waiting_front_end)
         for key, state_key in (("num_running_reqs", "num_running_reqs"), ("num_queue_reqs", "num_waiting_reqs"),
-                               ("gen_throughput", "last_gen_throughput"), ("spec_accept_length", "avg_spec_accept_length")):
+                               ("gen_throughput", "last_gen_throughput"), ("spec_accept_length", "avg_spec_accept_length"),
+                               *((k, k) for k in ("num_decode_prealloc_queue_reqs", "num_decode_transfer_queue_reqs",
+                                                  "num_prefill_inflight_reqs"))):
             value = internal_state.get(state_key)
             if isinstance(value, (int, float)):
                 g[key].labels(m).set(value)

@@ -312,3 +312,19 @@ def test_decode_follows_a_restarted_prefill_node(pair_factory):
     pr.run(timeout=10)
     assert pr.results("d")["b"][0] == reference_generate([8, 9, 10, 11, 12], 3, VOCAB, eos_token_ids=[EOS])
     _assert_no_leak(pr.d)
+
+
+def test_pd_queue_gauges_in_metrics(pair_factory):
+    from sglite.srt.entrypoints.metrics import ServerMetrics
+
+    pr = pair_factory(backend_cls=FakeTransferBackend, reserved=100, decode_tokens=128)
+    pr.d.add_request(pr.req("t", list(range(4, 34))))
+    pr.d.add_request(pr.req("q", list(range(4, 24))))
+    pr.step("d")
+    text = ServerMetrics("m").render(pr.d.get_internal_state(), 0)[0].decode()
+    assert 'sglite:num_decode_transfer_queue_reqs{model_name="m"} 1.0' in text
+    assert 'sglite:num_decode_prealloc_queue_reqs{model_name="m"} 1.0' in text
+    assert 'sglite:num_prefill_inflight_reqs{model_name="m"}' not in text  # not a prefill node
+    pr.d.abort_request(AbortReq(abort_all=True, message="done"))
+    pr.step("d")
+    _assert_no_leak(pr.d)
