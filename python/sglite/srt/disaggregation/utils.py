@@ -39,6 +39,10 @@ def agree_poll(state: KVPoll, tp_group: Optional[Any]) -> KVPoll:
 
 def create_disagg(scheduler: Any, worker: Any, server_args: Any, tp_rank: int, world_size: int) -> Any:
     """The scheduler's PD component for --disaggregation-mode: PrefillHandoff or DecodePrealloc."""
+    if getattr(server_args, "enable_dp_attention", False):
+        # Ranks of different attention-DP groups run different schedules, so a TP-wide poll agreement
+        # would pair unrelated requests.
+        raise ValueError("--disaggregation-mode does not support --enable-dp-attention yet; drop one of them")
     tp_group = None
     if world_size > 1:
         from sglite.srt.distributed.parallel_state import get_tp_group
