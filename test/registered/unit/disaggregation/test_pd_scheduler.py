@@ -66,10 +66,11 @@ class Pair:
     """Prefill scheduler + decode scheduler wired through PrefillHandoff / DecodePrealloc."""
 
     def __init__(self, *, page_size=1, block_size=1, backend_cls=MemcpyBackend, reserved=16,
-                 decode_timeout_s=30.0, decode_tokens=512):
+                 decode_timeout_s=30.0, decode_tokens=512, prefill_timeout_s=30.0):
         self.bootstrap = BootstrapServer("127.0.0.1", _free_port())
         self.port = self.bootstrap.port
         self.page_size, self.block_size, self.backend_cls = page_size, block_size, backend_cls
+        self.prefill_timeout_s = prefill_timeout_s
         self.wd = FakeModelWorker(page_size=page_size, block_size=block_size, vocab_size=VOCAB,
                                   max_total_num_tokens=decode_tokens)
         self.d = Scheduler(ServerArgs(page_size=page_size, disaggregation_mode="decode"), self.wd, eos_token_ids=[EOS])
@@ -86,7 +87,7 @@ class Pair:
         self.p = Scheduler(ServerArgs(page_size=self.page_size, disaggregation_mode="prefill"), self.wp,
                            eos_token_ids=[EOS])
         self.pm = PrefillKVManager(self.backend_cls(), _specs(self.wp), engine_rank=0,
-                                   bootstrap_url=f"http://127.0.0.1:{self.port}", timeout_s=30)
+                                   bootstrap_url=f"http://127.0.0.1:{self.port}", timeout_s=self.prefill_timeout_s)
         self.p.disagg = PrefillHandoff(self.p, self.pm, bootstrap_server=None)
 
     def close(self):
@@ -328,3 +329,16 @@ def test_pd_queue_gauges_in_metrics(pair_factory):
     pr.d.abort_request(AbortReq(abort_all=True, message="done"))
     pr.step("d")
     _assert_no_leak(pr.d)
+
+
+def test_prefill_fails_room_the_decode_node_never_asks_for(pair_factory):
+    pr = pair_factory(backend_cls=FakeTransferBackend, prefill_timeout_s=0.5)
+    prompt = list(range(4, 24))
+    pr.p.add_request(pr.req("lost", prompt))  # the decode node never sees it
+    pr.run("p", timeout=10)
+    reason = pr.results("p")["lost"][1]
+    assert reason["type"] == "abort" and reason["status_code"] == 500 and "never asked" in reason["message"]
+    assert pr.p.get_internal_state()["num_kv_transfer_failed"] == 1
+    # Its slots were released (the prompt's KV is valid, so it joins the prefix cache).
+    assert pr.p.tree_cache.total_size() == len(prompt)
+    _assert_no_leak(pr.p)
