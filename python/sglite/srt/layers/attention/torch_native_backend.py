@@ -1,4 +1,4 @@
-"""Reference attention backend in plain torch: per request, gather K/V through req_to_token and attend.
+"""Reference attention backend in plain torch: gather K/V through req_to_token into a padded batch and attend.
 
 It favours being obviously right over speed (fp32 math, explicit masks); the Triton and flashinfer
 backends are tested against it, and it is itself tested against dense attention on unpaged K/V.
@@ -72,16 +72,115 @@ def dense_attention(
     return torch.einsum("hns,shd->nhd", probs, vf)
 
 
+class _BatchGroup:
+    """Requests attended together in one padded call: index arrays and masks built once per forward."""
+
+    def __init__(self, spans: RequestSpans, members: list[int], rows: torch.Tensor, req_to_token: torch.Tensor) -> None:
+        device = req_to_token.device
+        self.members = members
+        prefix = torch.tensor([spans.prefix_lens[i] for i in members], device=device)
+        extend = torch.tensor([spans.extend_lens[i] for i in members], device=device)
+        seq = prefix + extend
+        bs = len(members)
+        self.max_q = max(spans.extend_lens[i] for i in members)
+        max_s = max(spans.seq_lens[i] for i in members)
+        k_pos = torch.arange(max_s, device=device)
+        self.kv_valid = k_pos[None, :] < seq[:, None]  # [bs, S]
+        # Padded key slots read slot 0 (reserved, never a request's); the mask drops them.
+        slots = req_to_token[rows[members], :max_s].long()
+        self.kv_index = torch.where(self.kv_valid, slots, torch.zeros_like(slots))
+        # Query token t of member b sits at padded row b * max_q + i; q_src[t] is its packed index.
+        q_src = torch.cat([torch.arange(spans.extend_lens[i], device=device) + spans.q_starts[i] for i in members])
+        q_dst = torch.cat(
+            [torch.arange(spans.extend_lens[i], device=device) + b * self.max_q for b, i in enumerate(members)]
+        )
+        self.q_src, self.q_dst = q_src, q_dst
+        self.bs = bs
+        q_i = torch.arange(self.max_q, device=device)
+        self.q_valid = q_i[None, :] < extend[:, None]  # [bs, Q]
+        self.q_pos = (prefix[:, None] + q_i[None, :])[:, :, None]  # [bs, Q, 1]
+        self.k_pos = k_pos[None, None, :]  # [1, 1, S]
+        self._masks: dict[tuple[bool, Optional[int]], torch.Tensor] = {}
+
+    def mask(self, causal: bool, sliding_window: Optional[int]) -> torch.Tensor:
+        """Boolean ``[bs, Q, S]`` (cached per causal/window): valid keys each padded query sees."""
+        key = (causal, sliding_window)
+        if key not in self._masks:
+            m = self.kv_valid[:, None, :].expand(-1, self.max_q, -1)
+            if causal:
+                m = m & (self.k_pos <= self.q_pos)
+            if sliding_window is not None:
+                m = m & (self.q_pos - self.k_pos < sliding_window)
+            # Padded query rows see key 0 so their (discarded) softmax stays finite.
+            pad_rows = ~self.q_valid[:, :, None] & (self.k_pos == 0)
+            self._masks[key] = (m & self.q_valid[:, :, None]) | pad_rows
+        return self._masks[key]
+
+
+def _group_requests(spans: RequestSpans, padding_limit: float) -> list[list[int]]:
+    """One group for the whole batch unless padding would multiply the score work past ``padding_limit``."""
+    n = len(spans.seq_lens)
+    real = sum(q * s for q, s in zip(spans.extend_lens, spans.seq_lens))
+    padded = n * max(spans.extend_lens) * max(spans.seq_lens)
+    if padded <= padding_limit * real:
+        return [list(range(n))]
+    return [[i] for i in range(n)]  # ragged prefill: per request is cheaper than the padding
+
+
+def batched_attention(
+    q3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: _BatchGroup, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """One masked fp32 attention over a padded group → ``[tokens of group, H, Dv]`` in packed order.
+
+    GQA without repeating K/V: the G query heads sharing a KV head are stacked along the query axis.
+    """
+    bs, max_q = group.bs, group.max_q
+    num_heads, head_dim = q3.shape[1], q3.shape[2]
+    kv_heads = k_buf.shape[1]
+    g = num_heads // kv_heads
+    qp = q3.new_zeros((bs * max_q, num_heads, head_dim), dtype=torch.float32)
+    qp[group.q_dst] = q3[group.q_src].float()
+    # [bs, Q, Hkv, G, D] -> [bs, Hkv, G*Q, D]
+    qp = qp.view(bs, max_q, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(bs, kv_heads, g * max_q, head_dim)
+    k = k_buf[group.kv_index].float().permute(0, 2, 3, 1)  # [bs, Hkv, D, S]
+    v = v_buf[group.kv_index].float().permute(0, 2, 1, 3)  # [bs, Hkv, S, Dv]
+    scores = torch.matmul(qp, k).mul_(scaling).view(bs, kv_heads, g, max_q, -1)
+    scores.masked_fill_(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(bs, kv_heads, g * max_q, -1)
+    o = torch.matmul(probs, v)  # [bs, Hkv, G*Q, Dv]
+    dv = o.shape[-1]
+    o = o.view(bs, kv_heads, g, max_q, dv).permute(0, 3, 1, 2, 4).reshape(bs * max_q, num_heads, dv)
+    return o[group.q_dst]
+
+
 class TorchNativeAttnBackend(AttentionBackend):
-    """Per-request gather + fp32 softmax attention over the paged pool; works on any device."""
+    """Padded-batch gather + fp32 softmax attention over the paged pool; works on any device.
+
+    Per forward, ``init_forward_metadata`` builds the padded KV slot table and masks once; each layer
+    then does one gather and one masked attention for the whole batch.
+    """
+
+    # Ragged EXTEND batches whose padding would cost more than this factor of the real score work
+    # run per request instead (keeps one long prompt plus many short ones from blowing up memory).
+    padding_limit: float = 4.0
 
     def __init__(self, runner: Any = None) -> None:
         self.runner = runner
         self._spans: Optional[RequestSpans] = None
+        self._groups: list[_BatchGroup] = []
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
-        """Read the per-request lengths once per batch."""
-        self._spans = None if mode_name(forward_batch) == "IDLE" else request_spans(forward_batch)
+        """Read the per-request lengths and build the padded gather indices and masks once per batch."""
+        if mode_name(forward_batch) == "IDLE":
+            self._spans, self._groups = None, []
+            return
+        spans = request_spans(forward_batch)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        rows = forward_batch.req_pool_indices.to(req_to_token.device).long()
+        self._groups = [
+            _BatchGroup(spans, members, rows, req_to_token) for members in _group_requests(spans, self.padding_limit)
+        ]
+        self._spans = spans
 
     def _spans_for(self, forward_batch: "ForwardBatch") -> RequestSpans:
         if self._spans is None:
@@ -95,18 +194,17 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_extend(
         self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch", causal: bool
     ) -> torch.Tensor:
-        """Attend each request's new queries over ``req_to_token[row, :seq_len]``."""
-        spans = self._spans_for(forward_batch)
+        """Attend each request's new queries over ``req_to_token[row, :seq_len]``, one call per group."""
+        self._spans_for(forward_batch)
         k_buf = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buf = forward_batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        req_to_token = forward_batch.req_to_token_pool.req_to_token
-        rows = forward_batch.req_pool_indices.tolist()
         q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
+        if len(self._groups) == 1:
+            g = self._groups[0]
+            o = batched_attention(q3, k_buf, v_buf, g, g.mask(causal, layer.sliding_window), layer.scaling)
+            return o.to(q.dtype).reshape(-1, layer.num_heads * layer.v_head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
-        for i, row in enumerate(rows):
-            p, n, s, qs = spans.prefix_lens[i], spans.extend_lens[i], spans.seq_lens[i], spans.q_starts[i]
-            slots = req_to_token[row, :s].long()
-            mask = attention_mask(p, n, causal, layer.sliding_window, q.device)
-            o = dense_attention(q3[qs : qs + n], k_buf[slots], v_buf[slots], mask, layer.scaling)
-            out[qs : qs + n] = o.to(out.dtype)
+        for g in self._groups:
+            o = batched_attention(q3, k_buf, v_buf, g, g.mask(causal, layer.sliding_window), layer.scaling)
+            out[g.q_src] = o.to(out.dtype)
         return out.reshape(-1, layer.num_heads * layer.v_head_dim)
