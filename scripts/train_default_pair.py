@@ -344,7 +344,7 @@ def make_prompts(
 def greedy_trajectories(model, prompts: list[list[int]], gen_tokens: int, batch_size: int, pad_id: int) -> list[list[int]]:
     """Target greedy continuations (a row ends at <|im_end|>, then pads), batched with left padding, in prompt order."""
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    out: list[Optional[list[int]]] = [None] * len(prompts)
+    out: dict[int, list[int]] = {}
     for b in tqdm(range(0, len(order), batch_size), desc="trajectories"):
         idx = order[b : b + batch_size]
         width = max(len(prompts[i]) for i in idx)
@@ -362,7 +362,7 @@ def greedy_trajectories(model, prompts: list[list[int]], gen_tokens: int, batch_
         )
         for r, i in enumerate(idx):
             out[i] = prompts[i] + gen[r, width:].tolist()
-    return [t for t in out if t is not None]
+    return [out[i] for i in range(len(prompts))]
 
 
 @dataclass
