@@ -72,6 +72,13 @@ def dense_attention(
     return torch.einsum("hns,shd->nhd", probs, vf)
 
 
+def ragged_arange(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Concatenation of ``arange(starts[i], starts[i] + counts[i])`` over i, without a Python loop."""
+    total = int(counts.sum())
+    seg_begin = torch.cumsum(counts, 0) - counts  # where each range begins in the output
+    return torch.arange(total, device=counts.device) + torch.repeat_interleave(starts - seg_begin, counts, output_size=total)
+
+
 class _BatchGroup:
     """Requests attended together in one padded call: index arrays and masks built once per forward."""
 
@@ -90,10 +97,9 @@ class _BatchGroup:
         slots = req_to_token[rows[members], :max_s].long()
         self.kv_index = torch.where(self.kv_valid, slots, torch.zeros_like(slots))
         # Query token t of member b sits at padded row b * max_q + i; q_src[t] is its packed index.
-        q_src = torch.cat([torch.arange(spans.extend_lens[i], device=device) + spans.q_starts[i] for i in members])
-        q_dst = torch.cat(
-            [torch.arange(spans.extend_lens[i], device=device) + b * self.max_q for b, i in enumerate(members)]
-        )
+        q_starts = torch.tensor([spans.q_starts[i] for i in members], device=device)
+        q_src = ragged_arange(q_starts, extend)
+        q_dst = ragged_arange(torch.arange(len(members), device=device) * self.max_q, extend)
         self.q_src, self.q_dst = q_src, q_dst
         self.bs = bs
         q_i = torch.arange(self.max_q, device=device)
