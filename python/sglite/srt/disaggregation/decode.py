@@ -36,6 +36,9 @@ class DecodePrealloc:
         self.tp_group = tp_group
         self.prealloc_queue: list[Req] = []
         self.transfer_queue: list[tuple[Req, torch.Tensor]] = []  # (request, its pre-allocated slots)
+        # Aborted while their KV was in flight: (room, slots, row, prefix-cache lock). The prefill node may
+        # still write into the slots, so they are freed only once the room succeeds, fails or times out.
+        self.draining: list[tuple[int, torch.Tensor, int, Any]] = []
         self.num_received = 0
         self.num_failed = 0
 
@@ -62,8 +65,8 @@ class DecodePrealloc:
         self.prealloc_queue.append(req)
 
     def has_work(self) -> bool:
-        """Requests waiting for slots or for their KV."""
-        return bool(self.prealloc_queue or self.transfer_queue)
+        """Requests waiting for slots or for their KV (or aborted rooms whose slots are not free yet)."""
+        return bool(self.prealloc_queue or self.transfer_queue or self.draining)
 
     def live_reqs(self) -> list[Req]:
         """Every request held here (for aborts and duplicate-id checks)."""
@@ -74,6 +77,7 @@ class DecodePrealloc:
         """Pre-allocate what fits, then move arrived rooms into the running batch."""
         self._preallocate()
         self._poll_transfers()
+        self._poll_draining()
 
     def _preallocate(self) -> None:
         s = self.scheduler
@@ -126,6 +130,20 @@ class DecodePrealloc:
                 still.append((req, slots))
         self.transfer_queue = still
 
+    def _poll_draining(self) -> None:
+        s = self.scheduler
+        still = []
+        for room, slots, row, last_node in self.draining:
+            state = agree_poll(self.manager.poll(room), self.tp_group)
+            if state in (KVPoll.Success, KVPoll.Failed):
+                self.manager.release(room)
+                s.allocator.free(slots.to(torch.int64))
+                s.tree_cache.dec_lock_ref(last_node)
+                s.req_to_token_pool.free(row)
+            else:
+                still.append((room, slots, row, last_node))
+        self.draining = still
+
     # ----------------------------------------------------------------- failure / abort
     def _drop(self, req: Req, slots: Optional[torch.Tensor], reason: dict) -> None:
         """Free pre-allocated slots (never cached: their KV is not valid) and end the request."""
@@ -148,7 +166,11 @@ class DecodePrealloc:
         for i, (r, slots) in enumerate(self.transfer_queue):
             if r is req:
                 self.transfer_queue.pop(i)
-                self._drop(req, slots, reason)
+                # The client is answered now; the slots wait until the prefill node can no longer write them.
+                self.draining.append((req.bootstrap_room, slots, req.req_pool_idx, req.last_node))
+                req.reset_kv_state()
+                req.finished_reason = reason
+                self.scheduler._touch(req)
                 return True
         return False
 
@@ -161,6 +183,7 @@ class DecodePrealloc:
         return {
             "num_decode_prealloc_queue_reqs": len(self.prealloc_queue),
             "num_decode_transfer_queue_reqs": len(self.transfer_queue),
+            "num_decode_draining_reqs": len(self.draining),
             "num_kv_received": self.num_received,
             "num_kv_transfer_failed": self.num_failed,
         }

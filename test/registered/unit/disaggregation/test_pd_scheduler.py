@@ -238,7 +238,7 @@ def test_decode_times_out_room_whose_kv_never_arrives(pair_factory):
 
 def test_abort_in_each_queue_frees_slots(pair_factory):
     # 100 reserved decode tokens per request: the second request waits in the pre-allocation queue.
-    pr = pair_factory(backend_cls=FakeTransferBackend, reserved=100, decode_tokens=128)
+    pr = pair_factory(backend_cls=FakeTransferBackend, reserved=100, decode_tokens=128, decode_timeout_s=1.0)
     pr.d.add_request(pr.req("t", list(range(4, 34))))  # transfer queue (its prefill never runs)
     pr.d.add_request(pr.req("q", list(range(4, 24))))  # pre-allocation queue
     pr.step("d")
@@ -250,7 +250,12 @@ def test_abort_in_each_queue_frees_slots(pair_factory):
     pr.step("d")
     res = pr.results("d")
     assert res["q"][1] == {"type": "abort", "message": "client went away"}
-    assert res["t"][1]["type"] == "abort"
+    assert res["t"][1] == {"type": "abort", "message": "client went away"}  # answered at once
+    # ... but its slots stay reserved while the prefill node could still write them (until the room times out).
+    assert pr.d.get_internal_state()["num_decode_draining_reqs"] == 1
+    assert pr.d.allocator.available_size() == pr.d.initial_free_slots - 30
+    pr.run("d", timeout=10)
+    assert pr.d.get_internal_state()["num_decode_draining_reqs"] == 0
     _assert_no_leak(pr.d)
     assert pr.d.allocator.available_size() == pr.d.initial_free_slots
 
@@ -265,7 +270,7 @@ def test_abort_in_each_queue_frees_slots(pair_factory):
 
 
 def test_duplicate_rid_and_missing_bootstrap_fields(pair_factory):
-    pr = pair_factory(backend_cls=FakeTransferBackend)
+    pr = pair_factory(backend_cls=FakeTransferBackend, decode_timeout_s=1.0)
     r = pr.req("dup", [4, 5, 6])
     pr.d.add_request(r)
     pr.d.add_request(r)  # same rid while the first one waits for its KV
@@ -280,7 +285,7 @@ def test_duplicate_rid_and_missing_bootstrap_fields(pair_factory):
     assert "decode node" in pr.results("d")["plain"][1]["message"]
     assert "prefill node" in pr.results("p")["plain"][1]["message"]
     pr.d.abort_request(AbortReq(rid="dup", message="done"))
-    pr.step("d")
+    pr.run("d", timeout=10)  # its slots are freed once the room times out
     _assert_no_leak(pr.d)
     _assert_no_leak(pr.p)
 
@@ -318,7 +323,7 @@ def test_decode_follows_a_restarted_prefill_node(pair_factory):
 def test_pd_queue_gauges_in_metrics(pair_factory):
     from sglite.srt.entrypoints.metrics import ServerMetrics
 
-    pr = pair_factory(backend_cls=FakeTransferBackend, reserved=100, decode_tokens=128)
+    pr = pair_factory(backend_cls=FakeTransferBackend, reserved=100, decode_tokens=128, decode_timeout_s=1.0)
     pr.d.add_request(pr.req("t", list(range(4, 34))))
     pr.d.add_request(pr.req("q", list(range(4, 24))))
     pr.step("d")
@@ -327,7 +332,7 @@ def test_pd_queue_gauges_in_metrics(pair_factory):
     assert 'sglite:num_decode_prealloc_queue_reqs{model_name="m"} 1.0' in text
     assert 'sglite:num_prefill_inflight_reqs{model_name="m"}' not in text  # not a prefill node
     pr.d.abort_request(AbortReq(abort_all=True, message="done"))
-    pr.step("d")
+    pr.run("d", timeout=10)
     _assert_no_leak(pr.d)
 
 
@@ -341,4 +346,21 @@ def test_prefill_fails_room_the_decode_node_never_asks_for(pair_factory):
     assert pr.p.get_internal_state()["num_kv_transfer_failed"] == 1
     # Its slots were released (the prompt's KV is valid, so it joins the prefix cache).
     assert pr.p.tree_cache.total_size() == len(prompt)
+    _assert_no_leak(pr.p)
+
+
+def test_abort_during_transfer_frees_slots_once_the_kv_lands(pair_factory):
+    pr = pair_factory()
+    r = pr.req("late", list(range(4, 20)), max_new=4)
+    pr.d.add_request(r)
+    pr.step("d")  # pre-allocated, want sent; the prefill node has not run the request yet
+    pr.d.abort_request(AbortReq(rid="late", message="client went away"))
+    pr.step("d")
+    assert pr.results("d")["late"][1]["type"] == "abort"
+    assert pr.d.allocator.available_size() == pr.d.initial_free_slots - 16  # the prefill node may still write
+    pr.p.add_request(r)
+    pr.run()  # the prefill node ships the KV; then the decode node frees the slots without caching them
+    assert pr.d.allocator.available_size() == pr.d.initial_free_slots
+    assert pr.d.tree_cache.total_size() == 0
+    _assert_no_leak(pr.d)
     _assert_no_leak(pr.p)
