@@ -129,7 +129,11 @@ def build_forward_batch(
     if out_cache_loc is None:
         if allocator is None:
             raise ValueError("build_forward_batch needs an allocator or an explicit out_cache_loc")
-        last_locs = [int(table[it.req_row, it.prefix_len - 1]) if it.prefix_len > 0 else 0 for it in items]
+        # One gather for every request's last cached slot (0 where there is no prefix).
+        row_t = torch.tensor([it.req_row for it in items], dtype=torch.int64, device=table.device)
+        pre_t = torch.tensor(prefix, dtype=torch.int64, device=table.device)
+        last_t = table[row_t, (pre_t - 1).clamp_min(0)].to(torch.int64)
+        last_locs = torch.where(pre_t > 0, last_t, torch.zeros_like(last_t)).tolist()
         out_cache_loc = allocator.alloc_extend(prefix, seq, last_locs)
         if out_cache_loc is None:
             raise RuntimeError(
@@ -138,12 +142,18 @@ def build_forward_batch(
     if out_cache_loc.numel() != total:
         raise ValueError(f"out_cache_loc has {out_cache_loc.numel()} slots for {total} new tokens")
     out_cache_loc = out_cache_loc.to(dev, torch.int64)
-    offset = 0
-    for it, p, n in zip(items, prefix, extend):
-        table[it.req_row, p : p + n] = out_cache_loc[offset : offset + n].to(table.dtype)
-        offset += n
+    # Token j of request i sits at position prefix[i] + j; one scatter writes every new slot into its row.
+    extend_cpu = torch.tensor(extend, dtype=torch.int64)
+    seg_begin = torch.cumsum(extend_cpu, 0) - extend_cpu
+    positions = (
+        torch.arange(total, dtype=torch.int64)
+        + torch.repeat_interleave(torch.tensor(prefix, dtype=torch.int64) - seg_begin, extend_cpu, output_size=total)
+    ).to(dev)
+    token_rows = torch.repeat_interleave(
+        torch.tensor([it.req_row for it in items], dtype=torch.int64), extend_cpu, output_size=total
+    )
+    table[token_rows.to(table.device), positions.to(table.device)] = out_cache_loc.to(table.device, table.dtype)
     input_ids = torch.tensor([t for it in items for t in it.new_token_ids], dtype=torch.int64, device=dev)
-    positions = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(prefix, extend)]).to(dev)
     return ForwardBatch(
         forward_mode=mode,
         batch_size=len(items),
