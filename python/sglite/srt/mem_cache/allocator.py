@@ -111,20 +111,7 @@ class PagedTokenToKVPoolAllocator:
         pages = self._take_pages(fresh_pages)
         if pages is None:
             return None
-        offs = torch.arange(p, dtype=torch.int64)
-        out: list[torch.Tensor] = []
-        cursor = 0
-        for start, tail, fresh in plans:
-            if tail:
-                out.append(torch.arange(start, start + tail, dtype=torch.int64))
-            if fresh:
-                k = -(-fresh // p)
-                mine = pages[cursor : cursor + k]
-                cursor += k
-                out.append((mine[:, None] * p + offs[None, :]).reshape(-1)[:fresh])
-        if not out:
-            return self._out(torch.empty(0, dtype=torch.int64))
-        return self._out(torch.cat(out))
+        return self._out(_extend_slots(plans, pages, p))
 
     def alloc_decode(self, seq_lens: IntSeq, last_locs: IntSeq) -> Optional[torch.Tensor]:
         """One slot per request for the token at position ``seq_len - 1`` (``seq_lens`` after the step)."""
@@ -224,3 +211,27 @@ class SWATokenToKVPoolAllocator:
             return
         self.free_swa(free_index)
         self.full_attn_allocator.free(free_index)
+
+
+def _extend_slots(plans: list[tuple[int, int, int]], pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Each request's tail slots then its fresh pages' first slots, concatenated, in a few tensor ops.
+
+    ``plans[i]`` is (first tail slot, tail count, fresh count); request i owns the next
+    ``ceil(fresh / page_size)`` of ``pages`` in order. Replaces a per-request Python loop of small tensors.
+    """
+    plan = torch.tensor(plans, dtype=torch.int64).reshape(-1, 3)
+    start, tail, fresh = plan[:, 0], plan[:, 1], plan[:, 2]
+    counts = tail + fresh
+    total = int(counts.sum())
+    if total == 0:
+        return torch.empty(0, dtype=torch.int64)
+    req = torch.repeat_interleave(torch.arange(len(plans)), counts, output_size=total)
+    j = torch.arange(total) - (torch.cumsum(counts, 0) - counts)[req]  # index inside the request's span
+    in_tail = j < tail[req]
+    slots = start[req] + j
+    if pages.numel():
+        grid = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)
+        first_page = torch.cumsum(-(-fresh // page_size), 0) - (-(-fresh // page_size))
+        fresh_pos = (first_page[req] * page_size + j - tail[req]).clamp(0, grid.numel() - 1)
+        slots = torch.where(in_tail, slots, grid[fresh_pos])
+    return slots

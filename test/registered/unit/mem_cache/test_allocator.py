@@ -99,3 +99,28 @@ def test_random_alloc_free_never_hands_out_a_slot_twice(page_size, ops):
             assert int(held.min()) >= page_size and int(held.max()) < size + page_size
         held_pages = held.div(page_size, rounding_mode="floor").unique().numel()
         assert a.available_size() == size - held_pages * page_size
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_alloc_extend_slots_follow_page_tails_then_fresh_pages(page_size):
+    """Ragged batch (tails, zero-length requests, multi-page fresh runs): each request's slots are its
+    page tail ``last_loc+1 ..`` then whole fresh pages taken in request order."""
+    gen = torch.Generator().manual_seed(page_size)
+    alloc = PagedTokenToKVPoolAllocator(page_size * 200, page_size, "cpu")
+    alloc.alloc(7 * page_size)  # the next free pages are not page 1
+    prefix = torch.randint(0, 30, (12,), generator=gen).tolist()
+    new = torch.randint(0, 20, (12,), generator=gen).tolist()
+    last = [(150 + i) * page_size + (p - 1) % page_size if p else 0 for i, p in enumerate(prefix)]
+    free_before = alloc._free_pages.clone()
+    out = alloc.alloc_extend(prefix, [p + n for p, n in zip(prefix, new)], last).tolist()
+    pos, next_page = 0, 0
+    for p, n, loc in zip(prefix, new, last):
+        mine = out[pos : pos + n]
+        pos += n
+        tail = min(n, page_size - p % page_size) if p and p % page_size else 0
+        assert mine[:tail] == list(range(loc + 1, loc + 1 + tail))
+        for j, slot in enumerate(mine[tail:]):
+            page = int(free_before[next_page + j // page_size])
+            assert slot == page * page_size + j % page_size
+        next_page += -(-(n - tail) // page_size)
+    assert pos == len(out)
