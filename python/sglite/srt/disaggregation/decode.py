@@ -116,6 +116,12 @@ class DecodePrealloc:
                 req.kv_len = len(req.origin_input_ids)
                 req.cached_tokens = int(meta.get("cached_tokens", 0))
                 req.admitted_once = True
+                if req.return_logprob:
+                    if meta.get("first_token_logprob") is None:
+                        self._drop(req, slots, finish_abort(
+                            "return_logprob: the prefill node sent no logprob for the first token", status_code=500))
+                        continue
+                    req.output_token_logprobs.append(float(meta["first_token_logprob"]))
                 s._append_tokens(req, [first_token])
                 if req.finished:
                     s._release(req)

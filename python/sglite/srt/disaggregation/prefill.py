@@ -53,16 +53,21 @@ class PrefillHandoff:
         )
         return cls(scheduler, manager, tp_group, server)
 
-    def hand_off(self, req: Req, first_token: int) -> None:
-        """The request's prompt is prefilled: send its KV rows and first token to the decode node."""
+    def hand_off(self, req: Req, first_token: int, first_token_logprob: Optional[float] = None) -> None:
+        """The request's prompt is prefilled: send its KV rows and first token (+ its logprob) to the decode node."""
         if req.bootstrap_room is None:
             self.scheduler._finish_now(req, finish_abort(
                 "this is a prefill node (--disaggregation-mode prefill): requests need bootstrap_room, "
                 "sent by a PD router", status_code=400))
             return
         req.output_ids.append(int(first_token))
+        if req.return_logprob:
+            if first_token_logprob is None:
+                raise RuntimeError("return_logprob request handed off without the first token's logprob")
+            req.output_token_logprobs.append(float(first_token_logprob))
         src = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.origin_input_ids)]
-        meta = {"cached_tokens": req.cached_tokens, "prompt_tokens": len(req.origin_input_ids)}
+        meta = {"cached_tokens": req.cached_tokens, "prompt_tokens": len(req.origin_input_ids),
+                "first_token_logprob": first_token_logprob}
         self.manager.send(req.bootstrap_room, src.tolist(), int(first_token), meta)
         self.inflight.append(req)
 

@@ -387,7 +387,8 @@ class Scheduler:
             if len(tokens) != 1:
                 raise RuntimeError(f"prefill must return exactly one token per request, got {len(tokens)}")
             if self.disagg is not None and self.disaggregation_mode == "prefill":
-                self.disagg.hand_off(req, tokens[0])  # PD: the decode node continues from here
+                lp = batch.next_token_logprobs[i][0] if req.return_logprob and batch.next_token_logprobs else None
+                self.disagg.hand_off(req, tokens[0], lp)  # PD: the decode node continues from here
                 continue
             kept = self._append_tokens(req, tokens)
             self._record_logprobs(req, batch, i, kept)

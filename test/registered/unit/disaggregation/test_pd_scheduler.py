@@ -66,12 +66,13 @@ class Pair:
     """Prefill scheduler + decode scheduler wired through PrefillHandoff / DecodePrealloc."""
 
     def __init__(self, *, page_size=1, block_size=1, backend_cls=MemcpyBackend, reserved=16,
-                 decode_timeout_s=30.0, decode_tokens=512, prefill_timeout_s=30.0):
+                 decode_timeout_s=30.0, decode_tokens=512, prefill_timeout_s=30.0, worker_cls=FakeModelWorker):
         self.bootstrap = BootstrapServer("127.0.0.1", _free_port())
         self.port = self.bootstrap.port
         self.page_size, self.block_size, self.backend_cls = page_size, block_size, backend_cls
         self.prefill_timeout_s = prefill_timeout_s
-        self.wd = FakeModelWorker(page_size=page_size, block_size=block_size, vocab_size=VOCAB,
+        self.worker_cls = worker_cls
+        self.wd = worker_cls(page_size=page_size, block_size=block_size, vocab_size=VOCAB,
                                   max_total_num_tokens=decode_tokens)
         self.d = Scheduler(ServerArgs(page_size=page_size, disaggregation_mode="decode"), self.wd, eos_token_ids=[EOS])
 
@@ -83,7 +84,7 @@ class Pair:
 
     def start_prefill_node(self):
         """A prefill scheduler whose KV manager registers at the bootstrap server (again, after a restart)."""
-        self.wp = FakeModelWorker(page_size=self.page_size, block_size=self.block_size, vocab_size=VOCAB)
+        self.wp = self.worker_cls(page_size=self.page_size, block_size=self.block_size, vocab_size=VOCAB)
         self.p = Scheduler(ServerArgs(page_size=self.page_size, disaggregation_mode="prefill"), self.wp,
                            eos_token_ids=[EOS])
         self.pm = PrefillKVManager(self.backend_cls(), _specs(self.wp), engine_rank=0,
@@ -364,3 +365,37 @@ def test_abort_during_transfer_frees_slots_once_the_kv_lands(pair_factory):
     assert pr.d.tree_cache.total_size() == 0
     _assert_no_leak(pr.d)
     _assert_no_leak(pr.p)
+
+
+class LogprobWorker(FakeModelWorker):
+    """The fake model with a made-up, token-determined logprob per sampled token (a worker that supports them)."""
+
+    supports_logprobs = True
+
+    def forward_prefill(self, batch):
+        out = super().forward_prefill(batch)
+        batch.next_token_logprobs = [[-(t + 1) / 128 for t in toks] for toks in out]
+        return out
+
+    def forward_decode(self, batch):
+        out = super().forward_decode(batch)
+        batch.next_token_logprobs = [[-(t + 1) / 128 for t in toks] for toks in out]
+        return out
+
+
+def test_first_token_logprob_travels_with_the_kv(pair_factory):
+    pr = pair_factory(worker_cls=LogprobWorker)
+    prompt = [7, 8, 9, 10, 11]
+    r = pr.req("lp", prompt, max_new=6)
+    r.return_logprob = True
+    pr.p.add_request(r)
+    pr.d.add_request(r)
+    pr.run()
+    lps = []
+    for o in pr.outs["d"]:
+        for i, rid in enumerate(o.rids):
+            if rid == "lp":
+                lps += o.output_token_logprobs[i]
+    expect = reference_generate(prompt, 6, VOCAB, eos_token_ids=[EOS])
+    assert pr.results("d")["lp"][0] == expect
+    assert lps == [-(t + 1) / 128 for t in expect]  # one per token, the first one from the prefill node
