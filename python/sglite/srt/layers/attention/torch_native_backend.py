@@ -101,6 +101,14 @@ class _BatchGroup:
         q_src = ragged_arange(q_starts, extend)
         q_dst = ragged_arange(torch.arange(len(members), device=device) * self.max_q, extend)
         self.q_src, self.q_dst = q_src, q_dst
+        # Equal query counts over consecutive requests (decode, verify, draft blocks, one-request groups):
+        # the packed queries already are the padded layout, so no scatter/gather is needed.
+        lens = [spans.extend_lens[i] for i in members]
+        consecutive = members == list(range(members[0], members[0] + len(members)))
+        self.token_slice: Optional[slice] = None
+        if consecutive and all(n == self.max_q for n in lens):
+            first = spans.q_starts[members[0]]
+            self.token_slice = slice(first, first + self.max_q * len(members))
         self.bs = bs
         q_i = torch.arange(self.max_q, device=device)
         self.q_valid = q_i[None, :] < extend[:, None]  # [bs, Q]
@@ -144,8 +152,11 @@ def batched_attention(
     num_heads, head_dim = q3.shape[1], q3.shape[2]
     kv_heads = k_buf.shape[1]
     g = num_heads // kv_heads
-    qp = q3.new_zeros((bs * max_q, num_heads, head_dim), dtype=torch.float32)
-    qp[group.q_dst] = q3[group.q_src].float()
+    if group.token_slice is not None:
+        qp = q3[group.token_slice].float()
+    else:
+        qp = q3.new_zeros((bs * max_q, num_heads, head_dim), dtype=torch.float32)
+        qp[group.q_dst] = q3[group.q_src].float()
     # [bs, Q, Hkv, G, D] -> [bs, Hkv, G*Q, D]
     qp = qp.view(bs, max_q, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(bs, kv_heads, g * max_q, head_dim)
     k = k_buf[group.kv_index].float().permute(0, 2, 3, 1)  # [bs, Hkv, D, S]
@@ -156,7 +167,7 @@ def batched_attention(
     o = torch.matmul(probs, v)  # [bs, Hkv, G*Q, Dv]
     dv = o.shape[-1]
     o = o.view(bs, kv_heads, g, max_q, dv).permute(0, 3, 1, 2, 4).reshape(bs * max_q, num_heads, dv)
-    return o[group.q_dst]
+    return o if group.token_slice is not None else o[group.q_dst]
 
 
 class TorchNativeAttnBackend(AttentionBackend):
