@@ -30,7 +30,7 @@ def _heldout_prompts(model_path: str, num_prompts: int, seed: int) -> list[list[
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = mod.heldout_prompts(mod.load_training_module(), tokenizer, num_prompts, seed, 16, 48)
-    return [p.ids for p in prompts]
+    return [p.input_ids for p in prompts]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
