@@ -13,6 +13,7 @@ Handshake for one request (room), with the bootstrap server on the prefill node:
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import queue
@@ -61,7 +62,69 @@ class _PrefillRoom:
     created: float = field(default_factory=time.monotonic)
 
 
-class PrefillKVManager:
+class _RoomEndpoint(abc.ABC):
+    """What both sides share: registered KV buffers, a PULL socket for incoming messages, cached
+    PUSH sockets to peers, and a lock-guarded table of rooms."""
+
+    def __init__(self, backend: TransferBackend, buffers: Sequence[KVBufferSpec], engine_rank: int,
+                 host: str, timeout_s: float) -> None:
+        self.backend = backend
+        self.buffers = list(buffers)
+        self.engine_rank = engine_rank
+        self.timeout_s = timeout_s
+        backend.register(self.buffers)
+        self._ctx = zmq.Context.instance()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._zmq_port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self._push: dict[str, zmq.Socket] = {}
+        self._rooms: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def error(self, room: int) -> str:
+        """Why a room failed."""
+        with self._lock:
+            r = self._rooms.get(room)
+            return r.error if r else ""
+
+    def release(self, room: int) -> None:
+        """Forget a room (after success or failure)."""
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def close(self) -> None:
+        """Stop receiving and close every socket."""
+        self._closed = True
+        self._pull.close(linger=0)
+        for s in self._push.values():
+            s.close(linger=0)
+
+    def _push_json(self, endpoint: str, msg: dict[str, Any]) -> None:
+        sock = self._push.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.connect(endpoint)
+            self._push[endpoint] = sock
+        sock.send_json(msg)
+
+    def _recv_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._closed:
+            try:
+                if not poller.poll(200):
+                    continue
+                msg = self._pull.recv_json()
+            except zmq.ZMQError:
+                return
+            self._on_message(msg)
+
+    @abc.abstractmethod
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        """Handle one message from a peer (a want on the prefill side, a status on the decode side)."""
+
+
+class PrefillKVManager(_RoomEndpoint):
     """Prefill rank: registers with the bootstrap server and ships finished rooms' KV to decode ranks."""
 
     def __init__(
@@ -73,19 +136,8 @@ class PrefillKVManager:
         host: str = "127.0.0.1",
         timeout_s: float = 300.0,
     ) -> None:
-        self.backend = backend
-        self.buffers = list(buffers)
-        self.engine_rank = engine_rank
-        self.timeout_s = timeout_s
-        backend.register(self.buffers)
-        self._ctx = zmq.Context.instance()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._zmq_port = self._pull.bind_to_random_port(f"tcp://{host}")
-        self._push: dict[str, zmq.Socket] = {}
-        self._rooms: dict[int, _PrefillRoom] = {}
-        self._lock = threading.Lock()
+        super().__init__(backend, buffers, engine_rank, host, timeout_s)
         self._work: "queue.Queue[Optional[int]]" = queue.Queue()
-        self._closed = False
         _http_json(
             "PUT",
             f"{bootstrap_url}/route",
@@ -122,40 +174,17 @@ class PrefillKVManager:
                 r.state, r.error = KVPoll.Failed, f"decode side never asked for room {room}"
             return r.state
 
-    def error(self, room: int) -> str:
-        """Why a room failed."""
-        with self._lock:
-            r = self._rooms.get(room)
-            return r.error if r else ""
-
-    def release(self, room: int) -> None:
-        """Forget a finished room."""
-        with self._lock:
-            self._rooms.pop(room, None)
-
     def close(self) -> None:
         """Stop the background threads."""
-        self._closed = True
         self._work.put(None)
-        self._pull.close(linger=0)
-        for s in self._push.values():
-            s.close(linger=0)
+        super().close()
 
     # --------------------------------------------------------------- threads
-    def _recv_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        while not self._closed:
-            try:
-                if not poller.poll(200):
-                    continue
-                want = self._pull.recv_json()
-            except zmq.ZMQError:
-                return
-            room = int(want["room"])
-            with self._lock:
-                self._rooms.setdefault(room, _PrefillRoom()).want = want
-            self._work.put(room)
+    def _on_message(self, want: dict[str, Any]) -> None:
+        room = int(want["room"])
+        with self._lock:
+            self._rooms.setdefault(room, _PrefillRoom()).want = want
+        self._work.put(room)
 
     def _transfer_loop(self) -> None:
         while True:
@@ -189,12 +218,7 @@ class PrefillKVManager:
             state, err = KVPoll.Failed, str(e)
         endpoint = want.get("notify")
         if endpoint:
-            sock = self._push.get(endpoint)
-            if sock is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.connect(endpoint)
-                self._push[endpoint] = sock
-            sock.send_json(status)
+            self._push_json(endpoint, status)
         with self._lock:
             r.state, r.error = state, err
 
@@ -209,7 +233,7 @@ class _DecodeRoom:
     error: str = ""
 
 
-class DecodeKVManager:
+class DecodeKVManager(_RoomEndpoint):
     """Decode rank: asks prefill ranks for rooms' KV into pre-allocated slots, tracks arrival."""
 
     # A prefill node that stops answering its bootstrap server for this long fails its rooms early.
@@ -223,19 +247,8 @@ class DecodeKVManager:
         host: str = "127.0.0.1",
         timeout_s: float = 300.0,
     ) -> None:
-        self.backend = backend
-        self.buffers = list(buffers)
-        self.engine_rank = engine_rank
-        self.timeout_s = timeout_s
-        backend.register(self.buffers)
-        self._ctx = zmq.Context.instance()
-        self._pull = self._ctx.socket(zmq.PULL)
-        port = self._pull.bind_to_random_port(f"tcp://{host}")
-        self._notify = f"tcp://{host}:{port}"
-        self._push: dict[str, zmq.Socket] = {}
-        self._rooms: dict[int, _DecodeRoom] = {}
-        self._lock = threading.Lock()
-        self._closed = False
+        super().__init__(backend, buffers, engine_rank, host, timeout_s)
+        self._notify = f"tcp://{host}:{self._zmq_port}"
         self._peer_checked: dict[str, float] = {}  # prefill /health URL -> last probe time
         self._peer_down_since: dict[str, float] = {}  # prefill /health URL -> first failed probe
         self._thread = threading.Thread(target=self._recv_loop, name="pd-decode-recv", daemon=True)
@@ -249,13 +262,8 @@ class DecodeKVManager:
             self._rooms[room] = _DecodeRoom(KVPoll.Transferring, time.monotonic() + self.timeout_s, f"{base}/health")
         try:
             route = self._route(bootstrap_host, bootstrap_port)
-            endpoint = f"tcp://{route['host']}:{route['zmq_port']}"
-            sock = self._push.get(endpoint)
-            if sock is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.connect(endpoint)
-                self._push[endpoint] = sock
-            sock.send_json(
+            self._push_json(
+                f"tcp://{route['host']}:{route['zmq_port']}",
                 {
                     "room": room,
                     "session": self.backend.session_id(),
@@ -305,23 +313,6 @@ class DecodeKVManager:
                 raise TransferError(f"room {room} is {r.state.name}: {r.error}")
             return int(r.first_token), dict(r.meta)
 
-    def error(self, room: int) -> str:
-        """Why a room failed."""
-        with self._lock:
-            r = self._rooms.get(room)
-            return r.error if r else ""
-
-    def release(self, room: int) -> None:
-        """Forget a room (after success or failure)."""
-        with self._lock:
-            self._rooms.pop(room, None)
-
-    def close(self) -> None:
-        """Stop the receiver thread."""
-        self._closed = True
-        self._pull.close(linger=0)
-        for s in self._push.values():
-            s.close(linger=0)
 
     def _route(self, host: str, port: int) -> dict[str, Any]:
         # Looked up per room, not cached: a restarted prefill node re-registers with new endpoints.
@@ -335,22 +326,13 @@ class DecodeKVManager:
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
-    def _recv_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        while not self._closed:
-            try:
-                if not poller.poll(200):
-                    continue
-                msg = self._pull.recv_json()
-            except zmq.ZMQError:
-                return
-            room = int(msg["room"])
-            with self._lock:
-                r = self._rooms.get(room)
-                if r is None or r.state != KVPoll.Transferring:
-                    continue  # a room we already timed out or released
-                if msg.get("status") == "success":
-                    r.state, r.first_token, r.meta = KVPoll.Success, msg["first_token"], msg.get("meta", {})
-                else:
-                    r.state, r.error = KVPoll.Failed, msg.get("error", "prefill reported a failure")
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        room = int(msg["room"])
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.state != KVPoll.Transferring:
+                return  # a room we already timed out or released
+            if msg.get("status") == "success":
+                r.state, r.first_token, r.meta = KVPoll.Success, msg["first_token"], msg.get("meta", {})
+            else:
+                r.state, r.error = KVPoll.Failed, msg.get("error", "prefill reported a failure")
