@@ -85,5 +85,6 @@ def malformed_requests(model: str, context_len: int) -> list[BadRequest]:
         BadRequest("generate batch rid mismatch", gen, body={"text": ["a", "b"], "rid": ["only-one"]}),
         BadRequest("generate not json", gen, raw="{oops"),
         BadRequest("abort without rid", "/abort_request", body={}),
-        BadRequest("generate return_logprob (unsupported)", gen, body={"text": "a", "return_logprob": True}),
+        BadRequest("chat top_logprobs (unsupported)", chat, body=c(logprobs=True, top_logprobs=2)),
+        BadRequest("completions top logprobs (unsupported)", comp, body=p(logprobs=2)),
     ]

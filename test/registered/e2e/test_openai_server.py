@@ -128,6 +128,44 @@ def test_generate_equals_transformers_greedy(server, hf_model, hf_tokenizer, tmp
     pytest.generate_prompts = prompts
 
 
+def hf_token_logprobs(hf_model, prompt_ids, output_ids):
+    """transformers' log_softmax of the logits at each output token (teacher-forced)."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + output_ids])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+    return logp[torch.arange(len(output_ids)), torch.tensor(output_ids)].tolist()
+
+
+def test_logprobs_equal_transformers(server, client, hf_model, hf_tokenizer):
+    prompt = [11, 12, 13, 14]
+    r = httpx.post(server.base + "/generate", headers=server.headers, timeout=120, json={
+        "input_ids": prompt, "return_logprob": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    entries = out["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in entries] == out["output_ids"] and all(e[2] is None for e in entries)
+    ref = hf_token_logprobs(hf_model, prompt, out["output_ids"])
+    assert [e[0] for e in entries] == pytest.approx(ref, abs=1e-3)
+
+    res = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=0)
+    ids = out["output_ids"][:6]
+    assert res.choices[0].logprobs.token_logprobs == pytest.approx(ref[: len(ids)], abs=1e-3)
+    assert res.choices[0].logprobs.tokens == [hf_tokenizer.decode([t]) for t in ids]
+    streamed = [c.choices[0].logprobs.token_logprobs for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=0, stream=True) if c.choices and c.choices[0].logprobs]
+    assert [lp for chunk in streamed for lp in chunk] == pytest.approx(ref[: len(ids)], abs=1e-3)
+
+    messages = [{"role": "user", "content": "Say hi."}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True)
+    chat_ids_out = hf_greedy(hf_model, chat_ids(hf_tokenizer, messages), 6)
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [hf_tokenizer.decode([t]) for t in chat_ids_out]
+    assert [c.logprob for c in content] == pytest.approx(
+        hf_token_logprobs(hf_model, chat_ids(hf_tokenizer, messages), chat_ids_out), abs=1e-3)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, logprobs=True, top_logprobs=2)
+
+
 def test_prefix_cache_hit_keeps_tokens(server, hf_model):
     shared = list(range(40, 80))
     a = shared + [90, 91]

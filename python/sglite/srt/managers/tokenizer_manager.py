@@ -154,9 +154,14 @@ class TokenizerManager:
             input_ids = self.tokenizer.encode(input_text)
         if not input_ids:
             raise RequestValidationError("the prompt is empty (0 tokens)", "prompt")
-        if obj.return_logprob:
-            # The scheduler does not compute logprobs yet; refusing beats answering without them.
-            raise RequestValidationError("return_logprob is not supported by this server", "return_logprob")
+        if obj.return_logprob and getattr(self.server_args, "speculative_algorithm", None):
+            # The speculative workers return no logprobs; refusing here beats an abort after queueing.
+            raise RequestValidationError(
+                f"return_logprob is not supported with speculative decoding "
+                f"(--speculative-algorithm {self.server_args.speculative_algorithm}); "
+                "start the server without speculation to get logprobs",
+                "return_logprob",
+            )
         sp_dict = dict(obj.sampling_params or {})  # type: ignore[arg-type]
         try:
             params = SamplingParams.from_dict(sp_dict)
@@ -307,7 +312,10 @@ class TokenizerManager:
             meta["spec_verify_ct"] = st.spec_verify_ct
             meta["spec_accept_length"] = st.completion_tokens / st.spec_verify_ct
         if st.output_token_logprobs is not None:
-            meta["output_token_logprobs"] = list(st.output_token_logprobs)
+            # SGLang's shape: [logprob, token_id, token_text]; text is not requested here, so None.
+            meta["output_token_logprobs"] = [
+                [lp, tid, None] for lp, tid in zip(st.output_token_logprobs, st.output_ids)
+            ]
         out = {
             "text": st.text,
             "output_ids": list(st.output_ids),

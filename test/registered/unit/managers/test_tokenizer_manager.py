@@ -177,3 +177,34 @@ async def test_rid_clash_is_rejected_before_sending(tm_and_sched):
         tm.tokenize_request(GenerateReqInput(input_ids=[[5], [6]], rid=["same", "same"]))
     assert recv_all(sched, 100) == [] and set(tm.rid_to_state) == {"dup"}
     task.cancel()
+
+
+def test_return_logprob_refused_only_with_speculation(tm_and_sched):
+    tm, _ = tm_and_sched
+    [t] = tm.tokenize_request(GenerateReqInput(input_ids=[5, 6], return_logprob=True))
+    assert t.return_logprob is True
+    tm.server_args.speculative_algorithm = "DFLASH"
+    with pytest.raises(RequestValidationError, match="speculative decoding") as ei:
+        tm.tokenize_request(GenerateReqInput(input_ids=[5, 6], return_logprob=True))
+    assert ei.value.param == "return_logprob"
+    [plain] = tm.tokenize_request(GenerateReqInput(input_ids=[5, 6]))  # no logprobs asked: still served
+    assert plain.return_logprob is False
+
+
+async def test_output_token_logprobs_pair_each_token(tm_and_sched):
+    tm, sched = tm_and_sched
+    obj = GenerateReqInput(input_ids=[5, 6], sampling_params={"max_new_tokens": 3}, rid="lp", return_logprob=True)
+    agen = tm.generate_request(obj).__aiter__()
+    final = asyncio.ensure_future(agen.__anext__())
+    await asyncio.sleep(0.05)
+    assert recv_all(sched)[0].return_logprob is True
+
+    def out(ids, lps, reason, n):
+        return BatchStrOut(rids=["lp"], output_strs=["x"], output_ids=[ids], finished_reasons=[reason],
+                           prompt_tokens=[2], completion_tokens=[n], cached_tokens=[0], spec_verify_ct=[0],
+                           output_token_logprobs=[lps])
+
+    tm._handle_batch_str_out(out([10, 11], [-0.5, -1.25], None, 2))
+    tm._handle_batch_str_out(out([12], [-2.0], finish_length(3), 3))
+    meta = (await final)["meta_info"]
+    assert meta["output_token_logprobs"] == [[-0.5, 10, None], [-1.25, 11, None], [-2.0, 12, None]]

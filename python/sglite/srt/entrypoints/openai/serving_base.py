@@ -218,6 +218,11 @@ class OpenAIServingBase(abc.ABC):
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
+    def token_logprobs(self, meta: dict[str, Any], start: int = 0) -> list[tuple[str, float]]:
+        """(token text, logprob) of each output token from index ``start`` (empty without logprobs)."""
+        entries = meta.get("output_token_logprobs") or []
+        return [(self.tm.tokenizer.decode([tid]), float(lp)) for lp, tid, _ in entries[start:]]
+
     @staticmethod
     def new_id(prefix: str) -> str:
         """A response id."""

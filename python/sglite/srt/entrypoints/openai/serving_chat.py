@@ -19,10 +19,13 @@ class OpenAIServingChat(OpenAIServingBase):
     prompt_param = "messages"
 
     def check_unsupported(self, req: ChatCompletionRequest) -> None:
-        """Also reject tools, logprobs and structured output, which are not implemented."""
+        """Also reject top_logprobs, tools and structured output, which are not implemented."""
         super().check_unsupported(req)
-        if req.logprobs:
-            raise RequestValidationError("logprobs are not supported by this server", "logprobs")
+        if req.top_logprobs:
+            raise RequestValidationError(
+                "top_logprobs > 0 is not supported by this server; use logprobs=true with top_logprobs 0 or unset",
+                "top_logprobs",
+            )
         if req.tools:
             raise RequestValidationError("tools are not supported by this server", "tools")
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
@@ -53,6 +56,7 @@ class OpenAIServingChat(OpenAIServingBase):
             sampling_params=self.sampling_params(req, max_new),
             rid=req.rid,
             stream=req.stream,
+            return_logprob=bool(req.logprobs),
             bootstrap_host=req.bootstrap_host,
             bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room,
@@ -77,7 +81,7 @@ class OpenAIServingChat(OpenAIServingBase):
             "choices": [{
                 "index": 0,
                 "message": {"role": "assistant", "content": final["text"]},
-                "logprobs": None,
+                "logprobs": self.chat_logprobs(meta) if req.logprobs else None,
                 "finish_reason": finish_reason_str(meta["finish_reason"]),
                 "matched_stop": meta["finish_reason"].get("matched"),
             }],
@@ -91,19 +95,24 @@ class OpenAIServingChat(OpenAIServingBase):
         """chat.completion.chunk events: role first, then content deltas, then finish (and usage)."""
         cid, created = self.new_id("chatcmpl"), self.now()
 
-        def chunk(delta: dict[str, Any], finish: Any = None, **extra: Any) -> dict[str, Any]:
+        def chunk(delta: dict[str, Any], finish: Any = None, logprobs: Any = None, **extra: Any) -> dict[str, Any]:
             return {
                 "id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra,
             }
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         yield sse(chunk({"role": "assistant", "content": ""}))
         meta = None
+        logprobs_sent = 0  # output tokens whose logprobs went out in earlier chunks
         async for out in self.tm.generate_request(obj, tokenized):
             meta = out["meta_info"]
             if out["delta_text"]:
-                yield sse(chunk({"content": out["delta_text"]}))
+                logprobs = None
+                if req.logprobs:
+                    logprobs = self.chat_logprobs(meta, logprobs_sent)
+                    logprobs_sent = len(meta.get("output_token_logprobs") or [])
+                yield sse(chunk({"content": out["delta_text"]}, logprobs=logprobs))
             if meta["finish_reason"] is not None:
                 extra = {"meta_info": meta} if req.return_meta_info else {}
                 yield sse(chunk({}, finish_reason_str(meta["finish_reason"]), **extra))
@@ -113,3 +122,10 @@ class OpenAIServingChat(OpenAIServingBase):
                 "id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_model_name,
                 "choices": [], "usage": usage,
             })
+
+    def chat_logprobs(self, meta: dict[str, Any], start: int = 0) -> dict[str, Any]:
+        """The chat ``logprobs`` object: one {token, logprob, bytes, top_logprobs} per output token."""
+        return {"content": [
+            {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+            for tok, lp in self.token_logprobs(meta, start)
+        ]}

@@ -18,12 +18,16 @@ class OpenAIServingCompletion(OpenAIServingBase):
     request_model = CompletionRequest
 
     def check_unsupported(self, req: CompletionRequest) -> None:
-        """Also reject echo, logprobs, suffix and best_of, which are not implemented."""
+        """Also reject echo, top logprobs (logprobs > 0), suffix and best_of, which are not implemented."""
         super().check_unsupported(req)
         if req.echo:
             raise RequestValidationError("echo is not supported by this server", "echo")
         if req.logprobs is not None and req.logprobs > 0:
-            raise RequestValidationError("logprobs are not supported by this server", "logprobs")
+            raise RequestValidationError(
+                "top logprobs (logprobs > 0) are not supported by this server; logprobs=0 returns the sampled "
+                "tokens' logprobs",
+                "logprobs",
+            )
         if req.suffix:
             raise RequestValidationError("suffix is not supported by this server", "suffix")
         if req.best_of is not None and req.best_of != 1:
@@ -52,6 +56,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             sampling_params=sp,
             rid=req.rid,
             stream=req.stream,
+            return_logprob=req.logprobs is not None,
             bootstrap_host=None if is_batch else req.bootstrap_host,
             bootstrap_port=None if is_batch else req.bootstrap_port,
             bootstrap_room=None if is_batch else req.bootstrap_room,
@@ -70,7 +75,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             choices.append({
                 "index": out["index"],
                 "text": out["text"],
-                "logprobs": None,
+                "logprobs": self.completion_logprobs(meta) if req.logprobs is not None else None,
                 "finish_reason": finish_reason_str(meta["finish_reason"]),
                 "matched_stop": meta["finish_reason"].get("matched"),
             })
@@ -95,14 +100,19 @@ class OpenAIServingCompletion(OpenAIServingBase):
         cid, created = self.new_id("cmpl"), self.now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         metas: dict[int, dict[str, Any]] = {}
+        logprobs_sent: dict[int, int] = {}  # per prompt: output tokens whose logprobs went out already
         async for out in self.tm.generate_request(obj, tokenized):
             meta = out["meta_info"]
             metas[out["index"]] = meta
             finish = finish_reason_str(meta["finish_reason"])
             if out["delta_text"] or finish is not None:
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self.completion_logprobs(meta, logprobs_sent.get(out["index"], 0))
+                    logprobs_sent[out["index"]] = len(meta.get("output_token_logprobs") or [])
                 body: dict[str, Any] = {
                     "id": cid, "object": "text_completion", "created": created, "model": self.served_model_name,
-                    "choices": [{"index": out["index"], "text": out["delta_text"], "logprobs": None, "finish_reason": finish}],
+                    "choices": [{"index": out["index"], "text": out["delta_text"], "logprobs": logprobs, "finish_reason": finish}],
                 }
                 if finish is not None and req.return_meta_info:
                     body["meta_info"] = meta
@@ -115,3 +125,17 @@ class OpenAIServingCompletion(OpenAIServingBase):
             )
             yield sse({"id": cid, "object": "text_completion", "created": created, "model": self.served_model_name,
                        "choices": [], "usage": usage})
+
+    def completion_logprobs(self, meta: dict[str, Any], start: int = 0) -> dict[str, Any]:
+        """The legacy completions ``logprobs`` object (tokens, token_logprobs; no top logprobs)."""
+        pairs = self.token_logprobs(meta, start)
+        offsets, pos = [], 0
+        for tok, _ in pairs:
+            offsets.append(pos)
+            pos += len(tok)
+        return {
+            "tokens": [tok for tok, _ in pairs],
+            "token_logprobs": [lp for _, lp in pairs],
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
