@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def token_usage(internal_state: dict[str, Any]) -> Optional[float]:
+    """SGLang's token_usage: 1 - (free + evictable) / pool slots; None when the state lacks the counts."""
+    # Slots only the radix cache holds are reclaimable on demand, so they are not "used" (as in SGLang).
+    total = internal_state.get("initial_free_slots")
+    free = internal_state.get("available_kv_slots")
+    evictable = internal_state.get("tree_cache_evictable")
+    if not all(isinstance(v, int) for v in (total, free, evictable)) or total <= 0:
+        return None
+    return 1.0 - (free + evictable) / total
 
 
 class ServerMetrics:
@@ -30,7 +41,7 @@ class ServerMetrics:
             for key, help_text in (
                 ("num_running_reqs", "Requests running in the scheduler"),
                 ("num_queue_reqs", "Requests waiting in the scheduler"),
-                ("token_usage", "Fraction of KV slots in use"),
+                ("token_usage", "Fraction of KV slots held by requests (radix-cached, evictable slots count as free)"),
                 ("gen_throughput", "Last generation throughput (tokens/s)"),
                 ("spec_accept_length", "Mean accepted tokens per verify step (bonus included)"),
                 ("num_front_end_reqs", "Requests the front end is tracking"),
@@ -69,7 +80,7 @@ class ServerMetrics:
             value = internal_state.get(state_key)
             if isinstance(value, (int, float)):
                 g[key].labels(m).set(value)
-        total, free = internal_state.get("max_total_num_tokens"), internal_state.get("available_kv_slots")
-        if isinstance(total, int) and isinstance(free, int) and total > 0:
-            g["token_usage"].labels(m).set(1.0 - free / total)
+        usage = token_usage(internal_state)
+        if usage is not None:
+            g["token_usage"].labels(m).set(usage)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

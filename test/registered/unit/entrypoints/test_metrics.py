@@ -1,0 +1,27 @@
+"""token_usage as SGLang defines it: radix-cached (evictable) slots count as free."""
+
+import pytest
+
+from sglite.srt.entrypoints.metrics import ServerMetrics, token_usage
+
+SUITE = "unit-cpu"
+EST_TIME = 1
+
+
+def gauge_value(text: str, name: str) -> float:
+    [line] = [l for l in text.splitlines() if l.startswith(f"sglite:{name}{{")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_token_usage_counts_evictable_as_free():
+    # 100 slots: 30 free, 50 held only by the radix cache, 20 held by running requests.
+    state = {"initial_free_slots": 100, "max_total_num_tokens": 101, "available_kv_slots": 30, "tree_cache_evictable": 50}
+    assert token_usage(state) == pytest.approx(0.2)
+    body, _ = ServerMetrics("tiny").render(state, num_waiting_front_end=0)
+    assert gauge_value(body.decode(), "token_usage") == pytest.approx(0.2)
+
+
+def test_token_usage_idle_pool_is_zero_and_missing_counts_give_none():
+    assert token_usage({"initial_free_slots": 64, "available_kv_slots": 64, "tree_cache_evictable": 0}) == 0.0
+    assert token_usage({"initial_free_slots": 64, "available_kv_slots": 64}) is None
+    assert token_usage({}) is None
