@@ -23,7 +23,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if cmd == "serve":
         from sglite.launch_server import main as serve_main
 
-        return serve_main(rest) or 0
+        return serve_main(rest, prog="sglite serve") or 0
     if cmd == "plan":
         from sglite.srt.planner import main as plan_main
 

@@ -69,13 +69,18 @@ def describe_model_choice(original: ServerArgs, resolved: ServerArgs) -> str:
     return line
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Parse flags, resolve the default model, launch the server; the process exit status."""
-    parsed = ServerArgs.from_cli(argv, prog="python -m sglite.launch_server")
+MODULE_PROG = "python -m sglite.launch_server"
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = MODULE_PROG) -> int:
+    """Parse flags, resolve the default model, launch the server; the process exit status.
+
+    ``prog`` is how the user invoked it (``sglite serve`` passes its own), shown in --help and errors."""
+    parsed = ServerArgs.from_cli(argv, prog=prog)
     try:
         args = resolve_default_model(parsed).validate()
     except ServerArgsError as e:
-        print(f"python -m sglite.launch_server: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),

@@ -81,3 +81,25 @@ def test_cli_bad_flag_exits_2():
 def test_main_reports_missing_model(assets, capsys):
     assert ls.main(["--port", "30001"]) == 2
     assert "--model-path" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "cmd, prog",
+    [
+        (["-m", "sglite.launch_server", "--help"], "python -m sglite.launch_server"),
+        (["-m", "sglite.cli", "serve", "--help"], "sglite serve"),
+    ],
+)
+def test_help_names_the_command_as_invoked(cmd, prog):
+    r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: {prog} ")
+
+
+def test_serve_errors_name_sglite_serve(assets, capsys):
+    from sglite.cli import main as cli_main
+
+    assert cli_main(["serve", "--port", "30001"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sglite serve: error:") and "--model-path" in err
