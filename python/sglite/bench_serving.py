@@ -296,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Requests/s (Poisson); inf = all at once")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--baseline-url", default=None,
+                   help="A second server (e.g. the same model without speculation) run with the same workload; "
+                        "prints sglite/baseline ratios")
     p.add_argument("--output-file", default=None, help="Write the result as JSON here")
     p.add_argument("--disable-tqdm", action="store_true")
     return p
@@ -320,15 +323,40 @@ def main(argv: Optional[list[str]] = None) -> int:
         reqs = make_random_requests(
             args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, vocab, args.seed
         )
-    res = asyncio.run(
-        run_benchmark(base, reqs, args.backend, model, args.max_concurrency, args.request_rate, args.seed,
-                      show_progress=not args.disable_tqdm)
-    )
-    print(format_result(res))
+    results = {}
+    for label, url in (("sglite", base), ("baseline", args.baseline_url)):
+        if url is None:
+            continue
+        name = model if url == base else (args.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"])
+        results[label] = asyncio.run(
+            run_benchmark(url, reqs, args.backend, name, args.max_concurrency, args.request_rate, args.seed,
+                          show_progress=not args.disable_tqdm)
+        )
+        print(f"[{label}] {url}")
+        print(format_result(results[label]))
+    out: dict = {k: asdict(v) for k, v in results.items()}
+    if "baseline" in results:
+        out["ratios"] = compare_results(results["sglite"], results["baseline"])
+        print("sglite / baseline: " + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratios"].items()))
     if args.output_file:
         with open(args.output_file, "w") as f:
-            json.dump(asdict(res), f, indent=2)
-    return 0 if res.failed == 0 else 1
+            json.dump(out, f, indent=2)
+    return 0 if all(r.failed == 0 for r in results.values()) else 1
+
+
+def compare_results(res: BenchResult, baseline: BenchResult) -> dict[str, float]:
+    """Throughput ratios (> 1: sglite faster) and latency ratios (< 1: sglite faster)."""
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else float("nan")
+
+    return {
+        "output_throughput": ratio(res.output_throughput, baseline.output_throughput),
+        "request_throughput": ratio(res.request_throughput, baseline.request_throughput),
+        "mean_ttft": ratio(res.ttft_ms["mean"], baseline.ttft_ms["mean"]),
+        "mean_tpot": ratio(res.tpot_ms["mean"], baseline.tpot_ms["mean"]),
+        "mean_e2e": ratio(res.e2e_ms["mean"], baseline.e2e_ms["mean"]),
+    }
 
 
 if __name__ == "__main__":

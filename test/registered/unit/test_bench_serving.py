@@ -16,6 +16,7 @@ fastapi = pytest.importorskip("fastapi")
 
 from sglite.bench_serving import (  # noqa: E402
     _stats_ms,
+    compare_results,
     format_result,
     make_random_requests,
     run_benchmark,
@@ -114,3 +115,14 @@ def test_openai_backend_reads_usage(server_url):
     assert res.completed == 4
     assert res.total_output_tokens == 12
     assert res.accept_length is None
+
+
+@pytest.mark.timeout(60)
+def test_compare_results_ratios(server_url):
+    reqs = make_random_requests(4, 8, 3, 1.0, 512, seed=2)
+    a = asyncio.run(run_benchmark(server_url, reqs, "sglite", max_concurrency=2, show_progress=False))
+    b = asyncio.run(run_benchmark(server_url, reqs, "sglite", max_concurrency=1, show_progress=False))
+    r = compare_results(a, b)
+    assert r["output_throughput"] == pytest.approx(a.output_throughput / b.output_throughput)
+    assert r["mean_e2e"] == pytest.approx(a.e2e_ms["mean"] / b.e2e_ms["mean"])
+    assert set(r) == {"output_throughput", "request_throughput", "mean_ttft", "mean_tpot", "mean_e2e"}
