@@ -143,16 +143,14 @@ def build_forward_batch(
         raise ValueError(f"out_cache_loc has {out_cache_loc.numel()} slots for {total} new tokens")
     out_cache_loc = out_cache_loc.to(dev, torch.int64)
     # Token j of request i sits at position prefix[i] + j; one scatter writes every new slot into its row.
-    extend_cpu = torch.tensor(extend, dtype=torch.int64)
-    seg_begin = torch.cumsum(extend_cpu, 0) - extend_cpu
-    positions = (
-        torch.arange(total, dtype=torch.int64)
-        + torch.repeat_interleave(torch.tensor(prefix, dtype=torch.int64) - seg_begin, extend_cpu, output_size=total)
-    ).to(dev)
-    token_rows = torch.repeat_interleave(
-        torch.tensor([it.req_row for it in items], dtype=torch.int64), extend_cpu, output_size=total
-    )
-    table[token_rows.to(table.device), positions.to(table.device)] = out_cache_loc.to(table.device, table.dtype)
+    # Python lists then one tensor each: cheaper than tensor arithmetic at decode sizes, linear for prefill.
+    positions_list = [p + j for p, n in zip(prefix, extend) for j in range(n)]
+    token_rows = [it.req_row for it, n in zip(items, extend) for _ in range(n)]
+    table[
+        torch.tensor(token_rows, dtype=torch.int64, device=table.device),
+        torch.tensor(positions_list, dtype=torch.int64, device=table.device),
+    ] = out_cache_loc.to(table.device, table.dtype)
+    positions = torch.tensor(positions_list, dtype=torch.int64, device=dev)
     input_ids = torch.tensor([t for it in items for t in it.new_token_ids], dtype=torch.int64, device=dev)
     return ForwardBatch(
         forward_mode=mode,

@@ -96,19 +96,21 @@ class _BatchGroup:
         # Padded key slots read slot 0 (reserved, never a request's); the mask drops them.
         slots = req_to_token[rows[members], :max_s].long()
         self.kv_index = torch.where(self.kv_valid, slots, torch.zeros_like(slots))
-        # Query token t of member b sits at padded row b * max_q + i; q_src[t] is its packed index.
-        q_starts = torch.tensor([spans.q_starts[i] for i in members], device=device)
-        q_src = ragged_arange(q_starts, extend)
-        q_dst = ragged_arange(torch.arange(len(members), device=device) * self.max_q, extend)
-        self.q_src, self.q_dst = q_src, q_dst
         # Equal query counts over consecutive requests (decode, verify, draft blocks, one-request groups):
         # the packed queries already are the padded layout, so no scatter/gather is needed.
         lens = [spans.extend_lens[i] for i in members]
         consecutive = members == list(range(members[0], members[0] + len(members)))
         self.token_slice: Optional[slice] = None
+        self.q_src: Optional[torch.Tensor] = None
+        self.q_dst: Optional[torch.Tensor] = None
         if consecutive and all(n == self.max_q for n in lens):
             first = spans.q_starts[members[0]]
             self.token_slice = slice(first, first + self.max_q * len(members))
+        else:
+            # Query token t of member b sits at padded row b * max_q + i; q_src[t] is its packed index.
+            q_starts = torch.tensor([spans.q_starts[i] for i in members], device=device)
+            self.q_src = ragged_arange(q_starts, extend)
+            self.q_dst = ragged_arange(torch.arange(len(members), device=device) * self.max_q, extend)
         self.bs = bs
         q_i = torch.arange(self.max_q, device=device)
         self.q_valid = q_i[None, :] < extend[:, None]  # [bs, Q]
@@ -121,13 +123,15 @@ class _BatchGroup:
         key = (causal, sliding_window)
         if key not in self._masks:
             m = self.kv_valid[:, None, :].expand(-1, self.max_q, -1)
-            if causal:
+            if causal and self.max_q > 1:  # one query per request sits last: causal = every valid key
                 m = m & (self.k_pos <= self.q_pos)
             if sliding_window is not None:
                 m = m & (self.q_pos - self.k_pos < sliding_window)
-            # Padded query rows see key 0 so their (discarded) softmax stays finite.
-            pad_rows = ~self.q_valid[:, :, None] & (self.k_pos == 0)
-            self._masks[key] = (m & self.q_valid[:, :, None]) | pad_rows
+            if self.token_slice is None:
+                # Padded query rows see key 0 so their (discarded) softmax stays finite.
+                pad_rows = ~self.q_valid[:, :, None] & (self.k_pos == 0)
+                m = (m & self.q_valid[:, :, None]) | pad_rows
+            self._masks[key] = m
         return self._masks[key]
 
 
@@ -223,5 +227,5 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
         for g in self._groups:
             o = batched_attention(q3, k_buf, v_buf, g, g.mask(causal, layer.sliding_window), layer.scaling)
-            out[g.q_src] = o.to(out.dtype)
+            out[g.token_slice if g.token_slice is not None else g.q_src] = o.to(out.dtype)
         return out.reshape(-1, layer.num_heads * layer.v_head_dim)
