@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, ContextManager, Iterator, Optional, Union
 
 from sglite.srt.managers.data_parallel_controller import format_rank_report
 from sglite.srt.managers.io_struct import (
@@ -74,7 +75,7 @@ def launch_subprocesses(
     startup_timeout_s: float = 600.0,
 ) -> LaunchedRuntime:
     """Start scheduler ranks + detokenizer, wait until ready, return the runtime (raises LaunchError)."""
-    from sglite.srt.managers.detokenizer_manager import load_tokenizer, run_detokenizer_process
+    from sglite.srt.managers.detokenizer_manager import load_tokenizer
 
     entry = scheduler_entry or _default_scheduler_entry()
     if server_args.dp_size > 1:  # DP replicas or DP attention: a controller in front of the DP groups
@@ -88,20 +89,11 @@ def launch_subprocesses(
     readers = []
     try:
         for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=entry, args=(server_args, port_args, rank, world_size, writer),
-                name=f"sglite-scheduler-{rank}", daemon=True,
+            spawn_scheduler_rank(
+                ctx, entry, (server_args, port_args, rank, world_size), f"sglite-scheduler-{rank}",
+                f"scheduler rank {rank}", processes, readers,
             )
-            proc.start()
-            writer.close()
-            processes.append((f"scheduler rank {rank}", proc))
-            readers.append(reader)
-        detok = ctx.Process(
-            target=run_detokenizer_process, args=(server_args, port_args), name="sglite-detokenizer", daemon=True
-        )
-        detok.start()
-        processes.append(("detokenizer", detok))
+        detok = spawn_detokenizer(ctx, server_args, port_args, processes)
         tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
         infos = [_wait_ready(name, proc, reader, startup_timeout_s) for (name, proc), reader in zip(processes, readers)]
         if not detok.is_alive():
@@ -116,6 +108,35 @@ def launch_subprocesses(
     info = infos[0]
     tm = TokenizerManager(server_args, port_args, tokenizer, info, child_processes=processes)
     return LaunchedRuntime(server_args, port_args, tm, info, processes, infos)
+
+
+def spawn_scheduler_rank(
+    ctx: Any, entry: SchedulerEntry, args: tuple, proc_name: str, label: str,
+    processes: list[tuple[str, Any]], readers: list[Any],
+    start_context: ContextManager[Any] = contextlib.nullcontext(),
+) -> None:
+    """Start one scheduler rank (entry(*args, ready_pipe)); record it as (label, proc) and its pipe's reader.
+
+    ``start_context`` wraps ``proc.start()`` (the DP launcher pins the replica's visible devices there)."""
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=entry, args=(*args, writer), name=proc_name, daemon=True)
+    with start_context:
+        proc.start()
+    writer.close()  # the child holds the only write end: EOF on the reader means it died
+    processes.append((label, proc))
+    readers.append(reader)
+
+
+def spawn_detokenizer(ctx: Any, server_args: ServerArgs, port_args: PortArgs, processes: list[tuple[str, Any]]) -> Any:
+    """Start the detokenizer process and record it as ("detokenizer", proc); returns the process."""
+    from sglite.srt.managers.detokenizer_manager import run_detokenizer_process
+
+    detok = ctx.Process(
+        target=run_detokenizer_process, args=(server_args, port_args), name="sglite-detokenizer", daemon=True
+    )
+    detok.start()
+    processes.append(("detokenizer", detok))
+    return detok
 
 
 def _wait_ready(name: str, proc: Any, reader: Any, timeout_s: float) -> SchedulerReady:

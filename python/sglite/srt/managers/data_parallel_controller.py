@@ -313,8 +313,15 @@ def format_rank_report(report: dict[str, Any]) -> str:
 def launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callable[..., None],
                            startup_timeout_s: float = 600.0) -> Any:
     """Start every DP group's scheduler ranks, the controller and the detokenizer; return a LaunchedRuntime."""
-    from sglite.srt.entrypoints.engine import LaunchedRuntime, LaunchError, _kill_all, _wait_ready
-    from sglite.srt.managers.detokenizer_manager import load_tokenizer, run_detokenizer_process
+    from sglite.srt.entrypoints.engine import (
+        LaunchedRuntime,
+        LaunchError,
+        _kill_all,
+        _wait_ready,
+        spawn_detokenizer,
+        spawn_scheduler_rank,
+    )
+    from sglite.srt.managers.detokenizer_manager import load_tokenizer
     from sglite.srt.managers.tokenizer_manager import TokenizerManager
 
     port_args = PortArgs.create(server_args)
@@ -335,22 +342,13 @@ def launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callable
         processes.append(("data-parallel controller", controller))
         replica_devices = _replica_cuda_devices(server_args)
         for pl in placements:
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=scheduler_entry,
-                args=(server_args, group_port_args(port_args, endpoints, pl), pl.rank, pl.world_size, writer),
-                name=f"sglite-scheduler-dp{pl.dp_rank}-rank{pl.global_rank}", daemon=True,
+            spawn_scheduler_rank(
+                ctx, scheduler_entry, (server_args, group_port_args(port_args, endpoints, pl), pl.rank, pl.world_size),
+                f"sglite-scheduler-dp{pl.dp_rank}-rank{pl.global_rank}",
+                f"scheduler rank {pl.global_rank} (dp_rank {pl.dp_rank})", processes, readers,
+                start_context=_visible_devices(replica_devices[pl.dp_rank] if replica_devices else None),
             )
-            with _visible_devices(replica_devices[pl.dp_rank] if replica_devices else None):
-                proc.start()
-            writer.close()
-            processes.append((f"scheduler rank {pl.global_rank} (dp_rank {pl.dp_rank})", proc))
-            readers.append(reader)
-        detok = ctx.Process(
-            target=run_detokenizer_process, args=(server_args, port_args), name="sglite-detokenizer", daemon=True
-        )
-        detok.start()
-        processes.append(("detokenizer", detok))
+        spawn_detokenizer(ctx, server_args, port_args, processes)
         tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
         infos = [
             _wait_ready(name, proc, reader, startup_timeout_s)
