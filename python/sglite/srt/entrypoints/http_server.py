@@ -32,8 +32,7 @@ from sglite.srt.entrypoints.openai.protocol import AbortRequest, GenerateRequest
 from sglite.srt.entrypoints.openai.serving_base import (
     abort_error_response,
     error_response,
-    parse_model,
-    read_json_body,
+    read_request_model,
     run_until_disconnect,
     sse,
 )
@@ -143,10 +142,7 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
     # ---------------------------------------------------------------- native
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        body = await read_json_body(request)
-        if isinstance(body, Response):
-            return body
-        parsed = parse_model(GenerateRequest, body)
+        parsed = await read_request_model(request, GenerateRequest)
         if isinstance(parsed, Response):
             return parsed
         obj = GenerateReqInput(**parsed.model_dump())
@@ -243,10 +239,7 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await read_json_body(request)
-        if isinstance(body, Response):
-            return body
-        parsed = parse_model(AbortRequest, body)
+        parsed = await read_request_model(request, AbortRequest)
         if isinstance(parsed, Response):
             return parsed
         if parsed.abort_all:

@@ -79,6 +79,14 @@ def parse_model(model_cls: type[BaseModel], body: dict[str, Any]) -> Union[BaseM
         return error_response(message, param=param)
 
 
+async def read_request_model(request: Request, model_cls: type[BaseModel]) -> Union[BaseModel, JSONResponse]:
+    """The JSON body validated into model_cls, or the 400 response saying why it is not one."""
+    body = await read_json_body(request)
+    if isinstance(body, Response):
+        return body
+    return parse_model(model_cls, body)
+
+
 async def run_until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
     """Run work, cancelling it if the client disconnects first (its generators then abort)."""
     task = asyncio.ensure_future(work)
@@ -139,10 +147,7 @@ class OpenAIServingBase(abc.ABC):
     # Shared pipeline.
     async def handle(self, request: Request) -> Response:
         """Parse, validate and answer one HTTP request."""
-        body = await read_json_body(request)
-        if isinstance(body, Response):
-            return body
-        req = parse_model(self.request_model, body)
+        req = await read_request_model(request, self.request_model)
         if isinstance(req, Response):
             return req
         if req.model not in self.model_names:
