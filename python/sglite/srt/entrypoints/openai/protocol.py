@@ -8,9 +8,13 @@ Responses are plain dicts built by the serving classes.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from sglite.srt.managers.io_struct import GenerateReqInput
 
 
 class _Lenient(BaseModel):
@@ -101,18 +105,21 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = None
 
 
-class GenerateRequest(_Lenient):
-    """POST /generate (SGLang's native body)."""
+def _model_of_dataclass(name: str, dataclass_type: type, doc: str) -> type[_Lenient]:
+    """A lenient pydantic model with exactly the fields, types and defaults of dataclass_type."""
+    hints = typing.get_type_hints(dataclass_type)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(dataclass_type):
+        if f.default is dataclasses.MISSING:
+            raise TypeError(f"{dataclass_type.__name__}.{f.name} has no plain default; the request model needs one")
+        fields[f.name] = (hints[f.name], f.default)
+    model = create_model(name, __base__=_Lenient, __doc__=doc, **fields)
+    model.__module__ = __name__
+    return model
 
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
-    rid: Optional[Union[str, list[str]]] = None
-    stream: bool = False
-    return_logprob: bool = False
-    bootstrap_host: Optional[Union[str, list[str]]] = None
-    bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
-    bootstrap_room: Optional[Union[int, list[int]]] = None
+
+# POST /generate: the body is GenerateReqInput itself (one definition of the native fields).
+GenerateRequest = _model_of_dataclass("GenerateRequest", GenerateReqInput, "POST /generate (SGLang's native body).")
 
 
 class AbortRequest(_Lenient):
