@@ -213,12 +213,31 @@ class SWATokenToKVPoolAllocator:
         self.full_attn_allocator.free(free_index)
 
 
+# Below this many new slots (decode, small extends) plain Python lists beat a dozen tensor ops.
+_SMALL_EXTEND_SLOTS = 512
+
+
+def _extend_slots_small(plans: list[tuple[int, int, int]], pages: list[int], page_size: int) -> torch.Tensor:
+    """``_extend_slots`` for a few slots, built as one Python list."""
+    out: list[int] = []
+    cursor = 0
+    for start, tail, fresh in plans:
+        out.extend(range(start, start + tail))
+        k = -(-fresh // page_size)
+        for j, page in enumerate(pages[cursor : cursor + k]):
+            out.extend(range(page * page_size, page * page_size + min(page_size, fresh - j * page_size)))
+        cursor += k
+    return torch.tensor(out, dtype=torch.int64)
+
+
 def _extend_slots(plans: list[tuple[int, int, int]], pages: torch.Tensor, page_size: int) -> torch.Tensor:
     """Each request's tail slots then its fresh pages' first slots, concatenated, in a few tensor ops.
 
     ``plans[i]`` is (first tail slot, tail count, fresh count); request i owns the next
     ``ceil(fresh / page_size)`` of ``pages`` in order. Replaces a per-request Python loop of small tensors.
     """
+    if sum(t + f for _, t, f in plans) <= _SMALL_EXTEND_SLOTS:
+        return _extend_slots_small(plans, pages.tolist(), page_size)
     plan = torch.tensor(plans, dtype=torch.int64).reshape(-1, 3)
     start, tail, fresh = plan[:, 0], plan[:, 1], plan[:, 2]
     counts = tail + fresh

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sglite.srt.mem_cache.allocator as allocator_module
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
 
@@ -102,9 +103,11 @@ def test_random_alloc_free_never_hands_out_a_slot_twice(page_size, ops):
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_alloc_extend_slots_follow_page_tails_then_fresh_pages(page_size):
+@pytest.mark.parametrize("small_path_limit", [0, 10_000], ids=["tensor_path", "list_path"])
+def test_alloc_extend_slots_follow_page_tails_then_fresh_pages(page_size, small_path_limit, monkeypatch):
     """Ragged batch (tails, zero-length requests, multi-page fresh runs): each request's slots are its
     page tail ``last_loc+1 ..`` then whole fresh pages taken in request order."""
+    monkeypatch.setattr(allocator_module, "_SMALL_EXTEND_SLOTS", small_path_limit)
     gen = torch.Generator().manual_seed(page_size)
     alloc = PagedTokenToKVPoolAllocator(page_size * 200, page_size, "cpu")
     alloc.alloc(7 * page_size)  # the next free pages are not page 1
