@@ -151,9 +151,12 @@ def test_logprobs_equal_transformers(server, client, hf_model, hf_tokenizer):
     ids = out["output_ids"][:6]
     assert res.choices[0].logprobs.token_logprobs == pytest.approx(ref[: len(ids)], abs=1e-3)
     assert res.choices[0].logprobs.tokens == [hf_tokenizer.decode([t]) for t in ids]
-    streamed = [c.choices[0].logprobs.token_logprobs for c in client.completions.create(
+    tokens = res.choices[0].logprobs.tokens
+    assert res.choices[0].logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
         model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=0, stream=True) if c.choices and c.choices[0].logprobs]
-    assert [lp for chunk in streamed for lp in chunk] == pytest.approx(ref[: len(ids)], abs=1e-3)
+    assert [lp for chunk in streamed for lp in chunk.token_logprobs] == pytest.approx(ref[: len(ids)], abs=1e-3)
+    assert [o for chunk in streamed for o in chunk.text_offset] == res.choices[0].logprobs.text_offset
 
     messages = [{"role": "user", "content": "Say hi."}]
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True)

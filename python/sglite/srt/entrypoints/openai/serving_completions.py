@@ -100,7 +100,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
         cid, created = self.new_id("cmpl"), self.now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         metas: dict[int, dict[str, Any]] = {}
-        logprobs_sent: dict[int, int] = {}  # per prompt: output tokens whose logprobs went out already
+        # Per prompt: (output tokens whose logprobs went out already, text length of those tokens).
+        logprobs_sent: dict[int, tuple[int, int]] = {}
         async for out in self.tm.generate_request(obj, tokenized):
             meta = out["meta_info"]
             metas[out["index"]] = meta
@@ -108,8 +109,10 @@ class OpenAIServingCompletion(OpenAIServingBase):
             if out["delta_text"] or finish is not None:
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self.completion_logprobs(meta, logprobs_sent.get(out["index"], 0))
-                    logprobs_sent[out["index"]] = len(meta.get("output_token_logprobs") or [])
+                    start, offset = logprobs_sent.get(out["index"], (0, 0))
+                    logprobs = self.completion_logprobs(meta, start, offset)
+                    offset += sum(len(tok) for tok in logprobs["tokens"])
+                    logprobs_sent[out["index"]] = (len(meta.get("output_token_logprobs") or []), offset)
                 body: dict[str, Any] = {
                     "id": cid, "object": "text_completion", "created": created, "model": self.served_model_name,
                     "choices": [{"index": out["index"], "text": out["delta_text"], "logprobs": logprobs, "finish_reason": finish}],
@@ -126,10 +129,12 @@ class OpenAIServingCompletion(OpenAIServingBase):
             yield sse({"id": cid, "object": "text_completion", "created": created, "model": self.served_model_name,
                        "choices": [], "usage": usage})
 
-    def completion_logprobs(self, meta: dict[str, Any], start: int = 0) -> dict[str, Any]:
-        """The legacy completions ``logprobs`` object (tokens, token_logprobs; no top logprobs)."""
+    def completion_logprobs(self, meta: dict[str, Any], start: int = 0, text_offset: int = 0) -> dict[str, Any]:
+        """The legacy completions ``logprobs`` object (tokens, token_logprobs; no top logprobs).
+
+        ``text_offset`` is where token ``start`` begins in the completion text (streams send pieces)."""
         pairs = self.token_logprobs(meta, start)
-        offsets, pos = [], 0
+        offsets, pos = [], text_offset
         for tok, _ in pairs:
             offsets.append(pos)
             pos += len(tok)
