@@ -87,7 +87,7 @@ def launch_subprocesses(
     world_size = server_args.tp_size
     processes: list[tuple[str, Any]] = []
     readers = []
-    try:
+    with kill_on_failure(processes, port_args.ipc_dir):
         for rank in range(world_size):
             spawn_scheduler_rank(
                 ctx, entry, (server_args, port_args, rank, world_size), f"sglite-scheduler-{rank}",
@@ -98,10 +98,6 @@ def launch_subprocesses(
         infos = [_wait_ready(name, proc, reader, startup_timeout_s) for (name, proc), reader in zip(processes, readers)]
         if not detok.is_alive():
             raise LaunchError(f"the detokenizer process exited during start-up with code {detok.exitcode}")
-    except BaseException:
-        _kill_all(processes)
-        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
-        raise
     for info_r in infos:
         if info_r.rank_report is not None:
             logger.info("%s", format_rank_report(info_r.rank_report))
@@ -156,6 +152,17 @@ def _wait_ready(name: str, proc: Any, reader: Any, timeout_s: float) -> Schedule
         if not proc.is_alive():
             raise LaunchError(f"{name} exited during start-up with code {proc.exitcode} (see its log above)")
     raise LaunchError(f"{name} was not ready after {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def kill_on_failure(processes: list[tuple[str, Any]], ipc_dir: str) -> Iterator[None]:
+    """On any failure inside (Ctrl-C included) kill the started processes and remove ipc_dir, then re-raise."""
+    try:
+        yield
+    except BaseException:
+        _kill_all(processes)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise
 
 
 def _kill_all(processes: list[tuple[str, Any]]) -> None:

@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import shutil
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -316,8 +315,8 @@ def launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callable
     from sglite.srt.entrypoints.engine import (
         LaunchedRuntime,
         LaunchError,
-        _kill_all,
         _wait_ready,
+        kill_on_failure,
         spawn_detokenizer,
         spawn_scheduler_rank,
     )
@@ -333,7 +332,7 @@ def launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callable
     ctx = mp.get_context("spawn")
     processes: list[tuple[str, Any]] = []
     readers = []
-    try:
+    with kill_on_failure(processes, port_args.ipc_dir):
         controller = ctx.Process(
             target=run_data_parallel_controller_process, args=(server_args, port_args, endpoints),
             name="sglite-dp-controller", daemon=True,
@@ -357,10 +356,6 @@ def launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callable
         for name, proc in processes:
             if not proc.is_alive():
                 raise LaunchError(f"the {name} process exited during start-up with code {proc.exitcode}")
-    except BaseException:
-        _kill_all(processes)
-        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
-        raise
     for pl, info in zip(placements, infos):
         report = getattr(info, "rank_report", None)
         if report is not None:
