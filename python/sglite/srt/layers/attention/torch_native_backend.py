@@ -136,13 +136,28 @@ class _BatchGroup:
 
 
 def _group_requests(spans: RequestSpans, padding_limit: float) -> list[list[int]]:
-    """One group for the whole batch unless padding would multiply the score work past ``padding_limit``."""
+    """Requests split into padded groups whose score work stays within ``padding_limit`` x the real work.
+
+    Usually one group for the whole batch; a ragged batch (one long sequence among short ones) is cut
+    into groups of similar lengths, taken longest first, so padding never multiplies memory unboundedly.
+    """
     n = len(spans.seq_lens)
-    real = sum(q * s for q, s in zip(spans.extend_lens, spans.seq_lens))
-    padded = n * max(spans.extend_lens) * max(spans.seq_lens)
-    if padded <= padding_limit * real:
+    work = [q * s for q, s in zip(spans.extend_lens, spans.seq_lens)]
+    if n * max(spans.extend_lens) * max(spans.seq_lens) <= padding_limit * sum(work):
         return [list(range(n))]
-    return [[i] for i in range(n)]  # ragged prefill: per request is cheaper than the padding
+    order = sorted(range(n), key=lambda i: (spans.seq_lens[i], spans.extend_lens[i]), reverse=True)
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    cur_q = cur_s = cur_work = 0
+    for i in order:
+        q, s = max(cur_q, spans.extend_lens[i]), max(cur_s, spans.seq_lens[i])
+        if cur and (len(cur) + 1) * q * s > padding_limit * (cur_work + work[i]):
+            groups.append(sorted(cur))
+            cur, q, s, cur_work = [], spans.extend_lens[i], spans.seq_lens[i], 0
+        cur.append(i)
+        cur_q, cur_s, cur_work = q, s, cur_work + work[i]
+    groups.append(sorted(cur))
+    return groups
 
 
 def batched_attention(
@@ -181,8 +196,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     then does one gather and one masked attention for the whole batch.
     """
 
-    # Ragged EXTEND batches whose padding would cost more than this factor of the real score work
-    # run per request instead (keeps one long prompt plus many short ones from blowing up memory).
+    # Batches whose padding would cost more than this factor of the real score work are split into
+    # groups of similar lengths (keeps one long prompt plus many short ones from blowing up memory).
     padding_limit: float = 4.0
 
     def __init__(self, runner: Any = None) -> None:

@@ -127,14 +127,16 @@ def test_batched_ragged_batches_equal_dense_sdpa(mode, page_size, bs):
     torch.testing.assert_close(out, dense_reference(case, causal=mode != ForwardMode.DRAFT_BLOCK), atol=1e-5, rtol=1e-5)
 
 
-def test_ragged_prefill_past_padding_limit_runs_per_request():
-    """One long prompt with short ones: grouped per request (bounded padding), same result."""
-    case = build_case(
-        ForwardMode.EXTEND, [0] + [2] * 7, [60] + [1, 2] * 3 + [1], page_size=16, num_kv_heads=1, group=2, head_dim=16
-    )
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=lambda m: m.name)
+def test_ragged_batch_past_padding_limit_is_split_by_length(mode):
+    """One long sequence among short ones: split into length groups (bounded padding), same result."""
+    prefix = [0, 2, 90, 3, 1, 95, 2, 0, 4]
+    extend = [60, 1, 2, 1, 2, 1, 1, 2, 1] if mode == ForwardMode.EXTEND else [1] * 9
+    case = build_case(mode, prefix, extend, page_size=16, num_kv_heads=1, group=2, head_dim=16, sliding_window=50)
     backend = TorchNativeAttnBackend()
     out = run_backend(backend, case)
-    assert len(backend._groups) == 8
+    groups = [g.members for g in backend._groups]
+    assert len(groups) > 1 and sorted(i for g in groups for i in g) == list(range(9))
     torch.testing.assert_close(out, dense_reference(case, causal=True), atol=1e-5, rtol=1e-5)
 
 
