@@ -21,6 +21,7 @@ logger = logging.getLogger("sglite.launch_server")
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 DEFAULT_MODEL_DIR = os.path.join(ASSETS_DIR, "default_model")
 DEFAULT_DRAFT_DIR = os.path.join(ASSETS_DIR, "default_draft")
+DEFAULT_SERVED_MODEL_NAME = "sglite-default"
 
 
 def draft_algorithm(draft_dir: str) -> str:
@@ -48,6 +49,9 @@ def resolve_default_model(args: ServerArgs) -> ServerArgs:
             "pass --model-path <model directory>"
         )
     updates: dict[str, object] = {"model_path": DEFAULT_MODEL_DIR}
+    if args.served_model_name is None:
+        # Clients cannot guess the install path, so the bundled model answers to a fixed name.
+        updates["served_model_name"] = DEFAULT_SERVED_MODEL_NAME
     has_draft = os.path.isfile(os.path.join(DEFAULT_DRAFT_DIR, "config.json"))
     if has_draft and args.speculative_algorithm is None and args.speculative_draft_model_path is None:
         updates["speculative_algorithm"] = draft_algorithm(DEFAULT_DRAFT_DIR)

@@ -42,6 +42,9 @@ def test_default_model_without_draft(assets):
     _fake_ckpt(model, ["Qwen3ForCausalLM"])
     args = ls.resolve_default_model(ServerArgs())
     assert args.model_path == str(model) and args.speculative_algorithm is None
+    # clients cannot know the install path: the bundled model answers to a fixed name, unless one is given
+    assert args.served_model_name == "sglite-default"
+    assert ls.resolve_default_model(ServerArgs(served_model_name="mine")).served_model_name == "mine"
     assert "embedded default model" in ls.describe_model_choice(ServerArgs(), args)
     assert "speculative decoding off" in ls.describe_model_choice(ServerArgs(), args)
 
