@@ -1,0 +1,69 @@
+"""A DFLASH server on the embedded trained pair: the official openai client gets speculation meta,
+the `dflash` package's own OpenAI benchmark client is served as-is, and greedy output equals the
+target's greedy decoding in transformers."""
+
+import openai
+import pytest
+import torch
+
+from sglite.launch_server import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR
+
+from conftest import ServerProcess
+
+SUITE = "e2e-cpu"
+EST_TIME = 45
+
+MESSAGES = [{"role": "user", "content": "Write a function that returns the sum of a list."}]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("dflash_server") / "server.log")
+    srv = ServerProcess(
+        DEFAULT_MODEL_DIR, log, "--speculative-algorithm", "DFLASH",
+        "--speculative-draft-model-path", DEFAULT_DRAFT_DIR, api_key=None,
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def target_greedy_text():
+    """The target alone, greedy, in transformers: what a lossless speculative server must return."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.timeout(180)
+def test_openai_client_gets_spec_meta_and_target_greedy_text(server, target_greedy_text):
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused")
+    resp = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"return_meta_info": True},
+    )
+    assert resp.choices[0].message.content == target_greedy_text
+    meta = resp.model_extra["meta_info"]
+    assert meta["completion_tokens"] == resp.usage.completion_tokens
+    assert meta["spec_verify_ct"] >= 1
+    assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / meta["spec_verify_ct"])
+    assert meta["spec_accept_length"] > 1.0  # the trained draft really speculates
+
+
+@pytest.mark.timeout(180)
+def test_dflash_package_benchmark_client_body_is_served(server, target_greedy_text):
+    # The exact request the DFlash authors' benchmark sends (chat_template_kwargs, return_meta_info, top_k).
+    from dflash.benchmark import send_openai
+
+    out = send_openai(
+        server.base, MESSAGES, model="tiny", max_new_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0, top_k=1,
+        timeout_s=120, reasoning=None,
+    )
+    assert out["choices"][0]["message"]["content"] == target_greedy_text
+    assert out["meta_info"]["spec_verify_ct"] >= 1 and out["meta_info"]["spec_accept_length"] > 1.0
