@@ -1,7 +1,7 @@
 """torch_native attention (the reference) against plain SDPA on unpaged K/V; registry and layer checks."""
 
 SUITE = "unit-cpu"
-EST_TIME = 15
+EST_TIME = 20
 
 from types import SimpleNamespace
 
