@@ -25,14 +25,16 @@ def run_transformers(model_path: str, prompts: list[list[int]], output_len: int,
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    # sglite's ignore_eos keeps EOS a valid token and just does not stop; min_new_tokens would instead
+    # forbid EOS. Without an EOS id, generate runs exactly max_new_tokens with nothing suppressed.
+    model.generation_config.eos_token_id = None
     outs: list[list[int]] = []
     start = time.perf_counter()
     with torch.no_grad():
         for i in range(0, len(prompts), concurrency):
             ids = torch.tensor(prompts[i : i + concurrency], device=device)
             gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, min_new_tokens=output_len,
-                do_sample=False, pad_token_id=0,
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, do_sample=False, pad_token_id=0,
             )
             outs += gen[:, ids.shape[1]:].tolist()
     if device == "cuda":
