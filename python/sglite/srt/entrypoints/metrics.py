@@ -35,6 +35,9 @@ class ServerMetrics:
         self.num_requests = Counter("sglite:num_requests", "Finished requests by finish reason", labels + ["finish_reason"], registry=self.registry)
         self.ttft = Histogram("sglite:time_to_first_token_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("sglite:e2e_request_latency_seconds", "End-to-end request latency", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        # Speculative decoding (SGLang's accept length = spec_generation_tokens / spec_verify_steps).
+        self.spec_verify_steps = Counter("sglite:spec_verify_steps", "Target verify forwards of speculative requests", labels, registry=self.registry)
+        self.spec_generation_tokens = Counter("sglite:spec_generation_tokens", "Output tokens of speculative requests", labels, registry=self.registry)
         self.tpot = Histogram("sglite:time_per_output_token_seconds", "Mean time per output token after the first", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.gauges = {
             key: Gauge(f"sglite:{key}", help_text, labels, registry=self.registry)
@@ -62,6 +65,9 @@ class ServerMetrics:
         self.generation_tokens.labels(m).inc(state.completion_tokens)
         self.cached_tokens.labels(m).inc(state.cached_tokens)
         self.num_requests.labels(m, str((state.finished_reason or {}).get("type"))).inc()
+        if state.spec_verify_ct > 0:
+            self.spec_verify_steps.labels(m).inc(state.spec_verify_ct)
+            self.spec_generation_tokens.labels(m).inc(state.completion_tokens)
         self.e2e.labels(m).observe(now - state.created_time)
         if state.first_token_time is not None:
             self.ttft.labels(m).observe(state.first_token_time - state.created_time)

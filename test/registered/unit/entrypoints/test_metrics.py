@@ -25,3 +25,25 @@ def test_token_usage_idle_pool_is_zero_and_missing_counts_give_none():
     assert token_usage({"initial_free_slots": 64, "available_kv_slots": 64, "tree_cache_evictable": 0}) == 0.0
     assert token_usage({"initial_free_slots": 64, "available_kv_slots": 64}) is None
     assert token_usage({}) is None
+
+
+def test_spec_counters_give_the_accept_length():
+    import time
+
+    from sglite.srt.managers.tokenizer_manager import ReqState
+
+    metrics = ServerMetrics("tiny")
+    now = time.time()
+    for completion, verify in ((12, 4), (9, 3), (5, 0)):  # the last request ran without speculation
+        st = ReqState(rid=f"r{completion}", prompt_tokens=3, stream=False, created_time=now,
+                      finished_reason={"type": "length"}, completion_tokens=completion, spec_verify_ct=verify)
+        metrics.observe_finished(st)
+    text = metrics.render({}, num_waiting_front_end=0)[0].decode()
+
+    def counter(name: str) -> float:
+        [line] = [l for l in text.splitlines() if l.startswith(f"sglite:{name}_total{{")]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert counter("spec_verify_steps") == 7
+    assert counter("spec_generation_tokens") == 21  # speculative requests only
+    assert counter("spec_generation_tokens") / counter("spec_verify_steps") == pytest.approx(3.0)
