@@ -90,6 +90,14 @@ class ReqToTokenPool:
 # ====================================================================== token -> KV
 
 
+def _pool_layer_ids(layer_num: int, layer_ids: Optional[Sequence[int]]) -> list[int]:
+    """The model-layer ids a pool holds: ``0..layer_num-1`` by default, else ``layer_ids`` of that length."""
+    ids = list(range(layer_num)) if layer_ids is None else list(layer_ids)
+    if len(ids) != layer_num:
+        raise ValueError(f"layer_ids has {len(ids)} entries for layer_num {layer_num}")
+    return ids
+
+
 class BaseTokenToKVPool(abc.ABC):
     """Shared bookkeeping: size, page, dtype (FP8 stored as uint8) and the model-layer → buffer map."""
 
@@ -162,9 +170,7 @@ class MHATokenToKVPool(BaseTokenToKVPool):
         *,
         layer_ids: Optional[Sequence[int]] = None,
     ) -> None:
-        ids = list(range(layer_num)) if layer_ids is None else list(layer_ids)
-        if len(ids) != layer_num:
-            raise ValueError(f"layer_ids has {len(ids)} entries for layer_num {layer_num}")
+        ids = _pool_layer_ids(layer_num, layer_ids)
         super().__init__(size, page_size, dtype, ids, device)
         self.head_num = head_num
         self.head_dim = head_dim
@@ -224,9 +230,7 @@ class MLATokenToKVPool(BaseTokenToKVPool):
         *,
         layer_ids: Optional[Sequence[int]] = None,
     ) -> None:
-        ids = list(range(layer_num)) if layer_ids is None else list(layer_ids)
-        if len(ids) != layer_num:
-            raise ValueError(f"layer_ids has {len(ids)} entries for layer_num {layer_num}")
+        ids = _pool_layer_ids(layer_num, layer_ids)
         super().__init__(size, page_size, dtype, ids, device)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
