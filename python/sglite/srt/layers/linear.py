@@ -14,11 +14,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator
-from sglite.srt.layers.utils import check_full_shape, divide, resolve_tp_group
+from sglite.srt.layers.utils import bind_tp_group, check_full_shape, divide, resolve_tp_group
 
 
 def _new_param(shape: Sequence[int], dtype: Optional[torch.dtype]) -> nn.Parameter:
     return nn.Parameter(torch.empty(tuple(shape), dtype=dtype or torch.get_default_dtype()), requires_grad=False)
+
+
+def _init_weight_and_bias(
+    layer: nn.Module, weight_shape: Sequence[int], bias_rows: int, bias: bool, params_dtype: Optional[torch.dtype]
+) -> None:
+    """Give ``layer`` its weight (and bias, else a registered ``None``), each loaded by ``layer.weight_loader``."""
+    layer.weight = _new_param(weight_shape, params_dtype)
+    layer.weight.weight_loader = layer.weight_loader
+    if bias:
+        layer.bias = _new_param((bias_rows,), params_dtype)
+        layer.bias.weight_loader = layer.weight_loader
+    else:
+        layer.register_parameter("bias", None)
 
 
 class ReplicatedLinear(nn.Module):
@@ -30,13 +43,7 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = _new_param((output_size, input_size), params_dtype)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = _new_param((output_size,), params_dtype)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        _init_weight_and_bias(self, (output_size, input_size), output_size, bias, params_dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
         """Copy the whole tensor after a shape check."""
@@ -62,9 +69,7 @@ class ColumnParallelLinear(nn.Module):
         output_size_per_partition: Optional[int] = None,
     ) -> None:
         super().__init__()
-        self.tp_group = resolve_tp_group(tp_group)
-        self.tp_size = self.tp_group.world_size
-        self.tp_rank = self.tp_group.rank_in_group
+        bind_tp_group(self, tp_group)
         self.input_size = input_size
         self.output_size = output_size
         self.gather_output = gather_output
@@ -73,13 +78,8 @@ class ColumnParallelLinear(nn.Module):
             if output_size_per_partition is not None
             else divide(output_size, self.tp_size, f"{type(self).__name__} output_size")
         )
-        self.weight = _new_param((self.output_size_per_partition, input_size), params_dtype)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = _new_param((self.output_size_per_partition,), params_dtype)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        n = self.output_size_per_partition
+        _init_weight_and_bias(self, (n, input_size), n, bias, params_dtype)
 
     def _full_shape(self, param: nn.Parameter, rows: int) -> tuple[int, ...]:
         return (rows, self.input_size) if param.dim() == 2 else (rows,)
@@ -200,21 +200,13 @@ class RowParallelLinear(nn.Module):
         tp_group: Optional[GroupCoordinator] = None,
     ) -> None:
         super().__init__()
-        self.tp_group = resolve_tp_group(tp_group)
-        self.tp_size = self.tp_group.world_size
-        self.tp_rank = self.tp_group.rank_in_group
+        bind_tp_group(self, tp_group)
         self.input_size = input_size
         self.output_size = output_size
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, self.tp_size, "RowParallelLinear input_size")
-        self.weight = _new_param((output_size, self.input_size_per_partition), params_dtype)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = _new_param((output_size,), params_dtype)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        _init_weight_and_bias(self, (output_size, self.input_size_per_partition), output_size, bias, params_dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
         """Weight: columns of this rank; bias: whole (added once, after the reduction)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch import nn
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_tp_group
 
@@ -20,6 +21,13 @@ def resolve_tp_group(group: Optional[GroupCoordinator]) -> GroupCoordinator:
     ranks, the width the KV plan prices pools at; so weights default to that group.
     """
     return group if group is not None else get_attn_tp_group()
+
+
+def bind_tp_group(layer: nn.Module, group: Optional[GroupCoordinator]) -> None:
+    """Set ``layer.tp_group`` (resolved as in resolve_tp_group), ``layer.tp_size`` and ``layer.tp_rank``."""
+    layer.tp_group = resolve_tp_group(group)
+    layer.tp_size = layer.tp_group.world_size
+    layer.tp_rank = layer.tp_group.rank_in_group
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

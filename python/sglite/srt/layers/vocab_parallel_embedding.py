@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator
-from sglite.srt.layers.utils import check_full_shape, resolve_tp_group
+from sglite.srt.layers.utils import bind_tp_group, check_full_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -27,9 +27,7 @@ class VocabParallelEmbedding(nn.Module):
         tp_group: Optional[GroupCoordinator] = None,
     ) -> None:
         super().__init__()
-        self.tp_group = resolve_tp_group(tp_group)
-        self.tp_size = self.tp_group.world_size
-        self.tp_rank = self.tp_group.rank_in_group
+        bind_tp_group(self, tp_group)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
@@ -46,6 +44,10 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
         """Copy this rank's vocabulary rows; padding rows become zero."""
         check_full_shape(loaded, (self.num_embeddings, self.embedding_dim), type(self).__name__)
+        self._copy_vocab_rows(param, loaded)
+
+    def _copy_vocab_rows(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's vocabulary rows (dim 0) of a shape-checked full tensor; padding rows become zero."""
         n = self.vocab_end_index - self.vocab_start_index
         param.data.zero_()
         param.data[:n].copy_(loaded[self.vocab_start_index : self.vocab_end_index])
@@ -83,9 +85,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
         check_full_shape(loaded, (self.num_embeddings,), "ParallelLMHead bias")
-        n = self.vocab_end_index - self.vocab_start_index
-        param.data.zero_()
-        param.data[:n].copy_(loaded[self.vocab_start_index : self.vocab_end_index])
+        self._copy_vocab_rows(param, loaded)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings)."""
