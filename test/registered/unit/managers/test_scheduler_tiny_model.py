@@ -6,11 +6,9 @@ import random
 import pytest
 import torch
 
-from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
 from sglite.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sglite.srt.managers.scheduler import Scheduler, SchedulerConfig
 from sglite.srt.managers.tp_worker import TpModelWorker
-from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.srt.sampling.sampling_params import SamplingParams
 from sglite.srt.server_args import ServerArgs
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
@@ -39,16 +37,6 @@ def tiny(tmp_path_factory):
             ids = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
             expected[i] = ids[0, len(p) :].tolist()
     return d, expected
-
-
-@pytest.fixture()
-def rank0():
-    torch.set_num_threads(1)
-    with scoped(parallel=ParallelState(tp_size=1)):
-        try:
-            yield
-        finally:
-            destroy_parallel_runtime()
 
 
 def _scheduler(model_dir, config=None, **kw):

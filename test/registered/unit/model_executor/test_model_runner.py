@@ -3,10 +3,8 @@
 import pytest
 import torch
 
-from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
 from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.model_executor.model_runner import ModelRunner
-from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.srt.sampling.sampling_params import SamplingParams
 from sglite.srt.server_args import ServerArgs
@@ -15,16 +13,6 @@ from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
 EST_TIME = 20
-
-
-@pytest.fixture()
-def rank0():
-    torch.set_num_threads(1)
-    with scoped(parallel=ParallelState(tp_size=1)):
-        try:
-            yield
-        finally:
-            destroy_parallel_runtime()
 
 
 @pytest.fixture(scope="module")

@@ -9,26 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglite.srt.configs.model_config import ModelConfig
-from sglite.srt.distributed.bootstrap import destroy_parallel_runtime, init_parallel_runtime
 from sglite.srt.model_loader.loader import load_model
 from sglite.srt.model_loader.weight_utils import WeightLoadingError, safetensors_files
-from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.testing.tiny_models import build_tiny_model
 
 SUITE = "unit-cpu"
 EST_TIME = 15
-
-
-@pytest.fixture()
-def rank0():
-    torch.set_num_threads(1)
-    state = ParallelState(tp_size=1)
-    with scoped(parallel=state):
-        init_parallel_runtime(state, 0, 1, None, "gloo")
-        try:
-            yield
-        finally:
-            destroy_parallel_runtime()
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +43,7 @@ def _rewrite(src, dst, edit):
     return dst
 
 
-def test_single_file_loads_every_tensor(single, rank0):
+def test_single_file_loads_every_tensor(single, one_rank):
     model = _load(single)
     ref = _hf_state(single)
     params = dict(model.named_parameters())
@@ -70,7 +56,7 @@ def test_single_file_loads_every_tensor(single, rank0):
     torch.testing.assert_close(params["model.layers.0.self_attn.q_norm.weight"], ref["model.layers.0.self_attn.q_norm.weight"], rtol=0, atol=0)
 
 
-def test_sharded_index_equals_single_file(tmp_path, single, rank0):
+def test_sharded_index_equals_single_file(tmp_path, single, one_rank):
     sharded = build_tiny_model(str(tmp_path / "sharded"), "qwen3", seed=1, with_tokenizer=False, max_shard_size="60KB")
     assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
     assert len(safetensors_files(sharded)) > 1
@@ -80,14 +66,14 @@ def test_sharded_index_equals_single_file(tmp_path, single, rank0):
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
 
 
-def test_tied_embeddings_without_lm_head_tensor(tmp_path, rank0):
+def test_tied_embeddings_without_lm_head_tensor(tmp_path, one_rank):
     d = build_tiny_model(str(tmp_path / "tied"), "llama", seed=2, with_tokenizer=False, tie_word_embeddings=True)
     assert "lm_head.weight" not in _hf_state(d)
     model = _load(d)
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_missing_tensor_is_named(tmp_path, single, rank0):
+def test_missing_tensor_is_named(tmp_path, single, one_rank):
     d = _rewrite(single, str(tmp_path / "missing"), lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(WeightLoadingError, match=r"missing 1 tensor.*model\.layers\.1\.mlp\.up_proj\.weight"):
         _load(d)
@@ -96,7 +82,7 @@ def test_missing_tensor_is_named(tmp_path, single, rank0):
         _load(d2)
 
 
-def test_misshaped_tensor_is_named_with_both_shapes(tmp_path, single, rank0):
+def test_misshaped_tensor_is_named_with_both_shapes(tmp_path, single, one_rank):
     def edit(t):
         t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
 
@@ -112,7 +98,7 @@ def test_misshaped_tensor_is_named_with_both_shapes(tmp_path, single, rank0):
         _load(d)
 
 
-def test_unexpected_tensor_is_an_error(tmp_path, single, rank0):
+def test_unexpected_tensor_is_an_error(tmp_path, single, one_rank):
     def edit(t):
         t["model.layers.0.self_attn.mystery.weight"] = torch.zeros(3)
 
@@ -121,7 +107,7 @@ def test_unexpected_tensor_is_an_error(tmp_path, single, rank0):
         _load(d)
 
 
-def test_no_weights_and_broken_index(tmp_path, single, rank0):
+def test_no_weights_and_broken_index(tmp_path, single, one_rank):
     empty = tmp_path / "empty"
     empty.mkdir()
     shutil.copy(os.path.join(single, "config.json"), empty)
@@ -133,7 +119,7 @@ def test_no_weights_and_broken_index(tmp_path, single, rank0):
         _load(str(empty))
 
 
-def test_unsupported_architecture(tmp_path, single, rank0):
+def test_unsupported_architecture(tmp_path, single, one_rank):
     d = tmp_path / "arch"
     shutil.copytree(single, d)
     cfg = json.load(open(d / "config.json"))
@@ -143,7 +129,7 @@ def test_unsupported_architecture(tmp_path, single, rank0):
         _load(str(d))
 
 
-def test_tied_checkpoint_that_also_stores_lm_head(tmp_path, rank0):
+def test_tied_checkpoint_that_also_stores_lm_head(tmp_path, one_rank):
     """Some tied checkpoints store lm_head.weight anyway; it is skipped and the head stays tied."""
     src = build_tiny_model(str(tmp_path / "tied_src"), "qwen2", seed=4, with_tokenizer=False, tie_word_embeddings=True)
 

@@ -8,10 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from sglite.srt.configs.model_config import ModelConfig
-from sglite.srt.distributed.bootstrap import destroy_parallel_runtime, init_parallel_runtime
 from sglite.srt.model_loader.weight_utils import WeightLoadingError
 from sglite.srt.models.dflash import DFlashDraftModel
-from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.testing.tiny_dflash import (
     TinyDraftSpec,
     build_tiny_dflash_draft,
@@ -31,18 +29,6 @@ def pair(tmp_path_factory):
     target_dir = build_tiny_target(str(d / "target"), seed=0)
     draft_dir = build_tiny_dflash_draft(str(d / "draft"), target_dir, seed=1, spec=TinyDraftSpec(block_size=4))
     return target_dir, draft_dir
-
-
-@pytest.fixture()
-def one_rank():
-    torch.set_num_threads(1)
-    state = ParallelState(tp_size=1)
-    with scoped(parallel=state):
-        init_parallel_runtime(state, 0, 1, None, "gloo")
-        try:
-            yield state
-        finally:
-            destroy_parallel_runtime()
 
 
 def test_config_is_public_format(pair):

@@ -7,11 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 from sglite.srt.configs.model_config import ModelConfig
-from sglite.srt.distributed.bootstrap import destroy_parallel_runtime, init_parallel_runtime
 from sglite.srt.models.dflash import DFlashDraftModel
 from sglite.srt.models.dspark import DSparkDraftModel
 from sglite.srt.models.registry import get_model_class
-from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.testing.tiny_dflash import (
     build_tiny_dflash_draft,
     build_tiny_dspark_draft,
@@ -35,18 +33,6 @@ def drafts(tmp_path_factory):
     zero_dir = build_tiny_dspark_draft(str(d / "dspark0"), dflash_dir, markov_rank=8, markov_scale=0.0)
     markov_dir = build_tiny_dspark_draft(str(d / "dspark"), dflash_dir, markov_rank=8, markov_scale=2.0, seed=5)
     return target_dir, dflash_dir, zero_dir, markov_dir
-
-
-@pytest.fixture()
-def one_rank():
-    torch.set_num_threads(1)
-    state = ParallelState(tp_size=1)
-    with scoped(parallel=state):
-        init_parallel_runtime(state, 0, 1, None, "gloo")
-        try:
-            yield state
-        finally:
-            destroy_parallel_runtime()
 
 
 @pytest.mark.skipif(not os.path.isfile(PUBLIC_DSPARK), reason="shared model configs not mounted")

@@ -5,10 +5,8 @@ from typing import Optional
 import pytest
 import torch
 
-from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
 from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.model_executor.model_runner import ModelRunner
-from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.srt.server_args import ServerArgs
 from sglite.testing.runner_generate import greedy_generate
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
@@ -33,16 +31,6 @@ def tiny(request, tmp_path_factory):
 def make_runner(model_dir: str, page_size: int = 1, **kw) -> ModelRunner:
     args = ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=2, page_size=page_size, **kw).validate()
     return ModelRunner(args)
-
-
-@pytest.fixture()
-def rank0():
-    torch.set_num_threads(1)
-    with scoped(parallel=ParallelState(tp_size=1)):
-        try:
-            yield
-        finally:
-            destroy_parallel_runtime()
 
 
 def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
