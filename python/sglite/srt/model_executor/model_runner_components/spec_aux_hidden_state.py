@@ -163,6 +163,19 @@ def _check_shares_target_geometry(draft: ModelConfig, target: ModelConfig, algo:
         )
 
 
+def _draft_kv_fields(draft: ModelConfig, dtype: torch.dtype, attn_tp_size: int) -> dict[str, Any]:
+    """The draft-pool geometry fields of SpecAuxHiddenStateConfig every draft algorithm fills the same way."""
+    return dict(
+        draft_kv_cache_dtype=dtype,
+        draft_total_kv_heads=draft.num_key_value_heads,
+        draft_kv_heads_per_rank=draft.get_num_kv_heads(attn_tp_size),
+        draft_head_dim=draft.head_dim,
+        draft_v_head_dim=draft.v_head_dim,
+        attn_tp_size=attn_tp_size,
+        draft_model_config=draft,
+    )
+
+
 def resolve_spec_aux_hidden_state(
     server_args: Any,
     target_model_config: ModelConfig,
@@ -191,13 +204,7 @@ def resolve_spec_aux_hidden_state(
             target_layer_ids=tuple(ids),
             draft_num_layers=n_layers,
             dflash_draft_cell_size_per_token=cell,
-            draft_kv_cache_dtype=dtype,
-            draft_total_kv_heads=draft.num_key_value_heads,
-            draft_kv_heads_per_rank=draft.get_num_kv_heads(attn_tp_size),
-            draft_head_dim=draft.head_dim,
-            draft_v_head_dim=draft.v_head_dim,
-            attn_tp_size=attn_tp_size,
-            draft_model_config=draft,
+            **_draft_kv_fields(draft, dtype, attn_tp_size),
         )
     _check_shares_target_geometry(draft, target_model_config, algo)
     n_layers = eagle_draft_num_layers(draft)
@@ -207,11 +214,5 @@ def resolve_spec_aux_hidden_state(
         algorithm=algo,
         draft_num_layers=n_layers,
         eagle_draft_num_layers=n_layers,
-        draft_kv_cache_dtype=dtype,
-        draft_total_kv_heads=draft.num_key_value_heads,
-        draft_kv_heads_per_rank=draft.get_num_kv_heads(attn_tp_size),
-        draft_head_dim=draft.head_dim,
-        draft_v_head_dim=draft.v_head_dim,
-        attn_tp_size=attn_tp_size,
-        draft_model_config=draft,
+        **_draft_kv_fields(draft, dtype, attn_tp_size),
     )
