@@ -1,4 +1,4 @@
-"""Shared helpers of the Triton attention kernels: interpreter detection and block sizes."""
+"""Shared helpers of the Triton attention kernels: interpreter detection, block sizes, the K/V tile step."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 # TRITON_INTERPRET is read when @triton.jit runs, so the kernels' mode is fixed at import time.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
@@ -48,3 +49,69 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride on its last dim (got strides {tuple(t.stride())})")
+
+
+@triton.jit
+def attend_kv_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    start,
+    hi,
+    K_Buf,
+    V_Buf,
+    Req_to_token,
+    row,
+    stride_r2t,
+    kvh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    offs_d,
+    mask_d,
+    offs_dv,
+    mask_dv,
+    mask_q,
+    q_pos,
+    sm_scale_log2,
+    sliding_window,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One online-softmax step over keys ``[start, start + BLOCK_N) ∩ [0, hi)`` read through req_to_token.
+
+    q rows are masked by ``mask_q`` and sit at positions ``q_pos``; scores are in the log2 domain.
+    Returns the updated ``(acc, m_i, l_i)``.
+    """
+    offs_n = start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hi
+    slots = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+    k = tl.load(K_Buf + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+    if DOT_FP32:
+        qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+    else:
+        qk = tl.dot(q, k.to(q.dtype))
+    qk = qk * sm_scale_log2
+    valid = mask_q[:, None] & mask_n[None, :]
+    if CAUSAL:
+        valid = valid & (offs_n[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        valid = valid & ((q_pos[:, None] - offs_n[None, :]) < sliding_window)
+    qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # Rows with no visible key yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V_Buf + slots[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i

@@ -23,6 +23,7 @@ import triton.language as tl
 from sglite.srt.layers.attention.triton_ops.common import (
     INTERPRET,
     LOG2E,
+    attend_kv_tile,
     autotune_enabled,
     check_kv_dtype,
     check_last_dim_contiguous,
@@ -118,34 +119,11 @@ def _split_kv_kernel(
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_DV], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        slots = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(K_Buf + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        if DOT_FP32:
-            qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-        else:
-            qk = tl.dot(q, k.to(q.dtype))
-        qk = qk * sm_scale_log2
-        valid = mask_r[:, None] & mask_n[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            valid = valid & ((q_pos[:, None] - offs_n[None, :]) < sliding_window)
-        qk = tl.where(valid, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # Rows with no visible key yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_Buf + slots[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = attend_kv_tile(
+            q, acc, m_i, l_i, start, hi, K_Buf, V_Buf, Req_to_token, row, stride_r2t,
+            kvh, stride_ks, stride_kh, stride_vs, stride_vh, offs_d, mask_d, offs_dv, mask_dv,
+            mask_r, q_pos, sm_scale_log2, sliding_window, CAUSAL, USE_WINDOW, DOT_FP32, BLOCK_N,
+        )
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
