@@ -19,17 +19,9 @@ from torch import nn
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig
 from sglite.srt.distributed.parallel_state import GroupCoordinator
-from sglite.srt.layers.activation import SiluAndMul
-from sglite.srt.layers.attention.radix_attention import RadixAttention
 from sglite.srt.layers.layernorm import RMSNorm
-from sglite.srt.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-)
+from sglite.srt.layers.linear import ReplicatedLinear
 from sglite.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from sglite.srt.layers.rotary_embedding import get_rope
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch
 from sglite.srt.model_loader.weight_utils import (
@@ -38,50 +30,21 @@ from sglite.srt.model_loader.weight_utils import (
     expected_loads,
     load_named_weights,
 )
-from sglite.srt.models.llama import model_tp_group
+from sglite.srt.models.llama import LlamaAttention, LlamaMLP, model_tp_group
 
 
-class DFlashAttention(nn.Module):
-    """Self-attention of one draft layer; also projects context features into this layer's K/V."""
+class DFlashAttention(LlamaAttention):
+    """Self-attention of one draft layer (a Qwen3 attention block); also projects context features into its K/V.
+
+    Every draft layer is full attention (checked by DFlashDraftModel), so the inherited block never
+    gets a sliding window; its forward is the block queries over context KV ++ block KV.
+    """
 
     def __init__(
         self, config: ModelConfig, layer_id: int, tp_group: GroupCoordinator, params_dtype: Optional[torch.dtype] = None
     ) -> None:
-        super().__init__()
-        self.head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            config.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=config.attention_bias,
-            params_dtype=params_dtype,
-            tp_group=tp_group,
-        )
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * config.head_dim,
-            config.hidden_size,
-            bias=config.attention_bias,
-            params_dtype=params_dtype,
-            tp_group=tp_group,
-        )
-        self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, params_dtype=params_dtype)
-        self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, params_dtype=params_dtype)
-        self.rotary_emb = get_rope(
-            config.head_dim, config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.attn = RadixAttention(
-            self.num_heads,
-            config.head_dim,
-            config.head_dim**-0.5,
-            self.num_kv_heads,
-            layer_id,
-        )
-
-    def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return norm(x.reshape(-1, x.shape[-1] // self.head_dim, self.head_dim)).reshape(x.shape)
+        bias = config.attention_bias
+        super().__init__(config, layer_id, tp_group, qkv_bias=bias, o_bias=bias, qk_norm=True, params_dtype=params_dtype)
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K [n, Hkv, D] (k_norm, RoPE) and V [n, Hkv, D] of fused context vectors (no query is computed)."""
@@ -94,34 +57,16 @@ class DFlashAttention(nn.Module):
         n = context.shape[0]
         return k.reshape(n, self.num_kv_heads, self.head_dim), v.reshape(n, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Block queries over context KV ++ block KV (the block's own K/V are written at out_cache_loc)."""
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
-        q = self._norm_heads(self.q_norm, q)
-        k = self._norm_heads(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
 
-
-class DFlashMLP(nn.Module):
-    """SiLU-gated MLP."""
+class DFlashMLP(LlamaMLP):
+    """SiLU-gated MLP without biases (the Llama MLP at the draft's sizes and dtype)."""
 
     def __init__(
         self, config: ModelConfig, tp_group: GroupCoordinator, params_dtype: Optional[torch.dtype] = None
     ) -> None:
-        super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"DFLASH draft: hidden_act {config.hidden_act!r} is not supported (only silu)")
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], bias=False, params_dtype=params_dtype, tp_group=tp_group
+        super().__init__(
+            config.hidden_size, config.intermediate_size, config.hidden_act, False, tp_group, params_dtype
         )
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, params_dtype=params_dtype, tp_group=tp_group)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x))."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DFlashDecoderLayer(nn.Module):

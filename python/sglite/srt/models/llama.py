@@ -45,15 +45,23 @@ class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate/up column-parallel (fused), down row-parallel."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, tp_group: GroupCoordinator
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool,
+        tp_group: GroupCoordinator,
+        params_dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only silu)")
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=bias, tp_group=tp_group
+            hidden_size, [intermediate_size, intermediate_size], bias=bias, params_dtype=params_dtype, tp_group=tp_group
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_group=tp_group)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, params_dtype=params_dtype, tp_group=tp_group
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +80,7 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
+        params_dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         self.head_dim = config.head_dim
@@ -81,17 +90,22 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=qkv_bias,
+            params_dtype=params_dtype,
             tp_group=tp_group,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * config.head_dim, config.hidden_size, bias=o_bias, tp_group=tp_group
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            bias=o_bias,
+            params_dtype=params_dtype,
+            tp_group=tp_group,
         )
         self.qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, params_dtype=params_dtype)
+            self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, params_dtype=params_dtype)
         self.rotary_emb = get_rope(
             config.head_dim, config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -107,13 +121,16 @@ class LlamaAttention(nn.Module):
             sliding_window=config.sliding_window if kind == AttentionKind.SLIDING else None,
         )
 
+    def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of ``[t, heads * head_dim]`` rows."""
+        return norm(x.reshape(-1, x.shape[-1] // self.head_dim, self.head_dim)).reshape(x.shape)
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Self-attention of the new tokens over their requests' cached keys."""
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
         if self.qk_norm:
-            t = q.shape[0]
-            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, -1)
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, -1)
+            q = self._norm_heads(self.q_norm, q)
+            k = self._norm_heads(self.k_norm, k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
