@@ -30,7 +30,7 @@ from sglite.srt.model_loader.weight_utils import (
     expected_loads,
     load_named_weights,
 )
-from sglite.srt.models.llama import LlamaAttention, LlamaMLP, model_tp_group
+from sglite.srt.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, model_tp_group
 
 
 class DFlashAttention(LlamaAttention):
@@ -219,14 +219,9 @@ class DFlashDraftModel(nn.Module):
         return logits[:, 1:].argmax(dim=-1)
 
     # ------------------------------------------------------------------ weights
-    # checkpoint name fragment -> (fused parameter fragment, shard id), as the target models do.
-    stacked_params_mapping = (
-        (".q_proj", ".qkv_proj", "q"),
-        (".k_proj", ".qkv_proj", "k"),
-        (".v_proj", ".qkv_proj", "v"),
-        (".gate_proj", ".gate_up_proj", 0),
-        (".up_proj", ".gate_up_proj", 1),
-    )
+    # checkpoint name fragment -> (fused parameter fragment, shard id): the draft layers fuse q/k/v and
+    # gate/up exactly as the Llama-family targets do.
+    stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load public DFLASH names (layers.*, fc, hidden_norm, norm); an unknown or missing tensor is an error."""
