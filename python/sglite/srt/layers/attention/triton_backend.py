@@ -127,6 +127,19 @@ class TritonAttnBackend(AttentionBackend):
         mid_lse = buf[rows * layer.v_head_dim : need].view(num_tokens, layer.num_heads, splits)
         return mid_o, mid_lse
 
+    @staticmethod
+    def _paged_kv(
+        layer: "RadixAttention", forward_batch: "ForwardBatch"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernels' paged-KV arguments: this layer's K and V pool buffers, req_to_token, the batch's pool rows."""
+        pool = forward_batch.token_to_kv_pool
+        return (
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+        )
+
     def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
         """Split-K decode over ``req_to_token[row, :seq_len]``."""
         self._metadata_for(forward_batch)
@@ -138,10 +151,7 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(
             q3,
             o,
-            forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            forward_batch.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
+            *self._paged_kv(layer, forward_batch),
             forward_batch.seq_lens,
             layer.scaling,
             splits,
@@ -165,10 +175,7 @@ class TritonAttnBackend(AttentionBackend):
             block_split_attention_fwd(
                 q3,
                 o,
-                forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                forward_batch.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                forward_batch.req_to_token_pool.req_to_token,
-                forward_batch.req_pool_indices,
+                *self._paged_kv(layer, forward_batch),
                 forward_batch.seq_lens,
                 forward_batch.extend_seq_lens,
                 meta.q_start,
@@ -184,10 +191,7 @@ class TritonAttnBackend(AttentionBackend):
         extend_attention_fwd(
             q3,
             o,
-            forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            forward_batch.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
+            *self._paged_kv(layer, forward_batch),
             forward_batch.extend_prefix_lens,
             forward_batch.extend_seq_lens,
             meta.q_start,
