@@ -27,7 +27,7 @@ import torch
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.layers.sampler import Sampler, mixed_seed
 from sglite.srt.managers.schedule_batch import ScheduleBatch
-from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, build_forward_batch
+from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.srt.speculative.dflash_utils import BlockVerifyResult, greedy_verify, sampling_verify, verify_probs
 from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -113,6 +113,8 @@ class DFlashWorker:
         self.token_to_kv_pool_allocator = target_runner.token_to_kv_pool_allocator
         if draft_runner.token_to_kv_pool_allocator is not self.token_to_kv_pool_allocator:
             raise ValueError("the draft runner must share the target's slot allocator (slot i = one token in both pools)")
+        if draft_runner.req_to_token_pool is not self.req_to_token_pool:
+            raise ValueError("the draft runner must share the target's req_to_token pool (one slot row per request)")
         plan = target_runner.memory_pool_config
         self.max_total_num_tokens = int(plan.max_total_num_tokens)
         self.max_running_requests = int(plan.max_running_requests)
@@ -194,15 +196,8 @@ class DFlashWorker:
     def _forward_batch(
         self, mode: ForwardMode, items: list, runner: Any, slots: torch.Tensor, capture: Optional[list[int]] = None
     ) -> ForwardBatch:
-        return build_forward_batch(
-            mode,
-            items,
-            req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool=runner.token_to_kv_pool,
-            attn_backend=runner.attn_backend,
-            out_cache_loc=slots,
-            capture_aux_hidden_layers=capture,
-        )
+        # Both runners hold the shared req_to_token pool, so the runner's own batch builder fits either.
+        return runner.build_forward_batch(mode, items, out_cache_loc=slots, capture_aux_hidden_layers=capture)
 
     def _write_context(
         self,
