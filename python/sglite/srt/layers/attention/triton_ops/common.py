@@ -1,8 +1,10 @@
-"""Shared helpers of the Triton attention kernels: interpreter detection, block sizes, the K/V tile step."""
+"""Shared helpers of the Triton attention kernels: interpreter detection, block sizes, launch arguments, the K/V tile step."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import triton
@@ -49,6 +51,57 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride on its last dim (got strides {tuple(t.stride())})")
+
+
+@dataclass(frozen=True)
+class AttnLaunch:
+    """What both launchers derive from q and the K/V pool: head geometry, scalar arguments, shared constexprs."""
+
+    num_heads: int
+    num_kv_heads: int
+    v_head_dim: int
+    sm_scale_log2: float
+    sliding_window: int  # 0 when USE_WINDOW is off (never read then)
+    meta: dict[str, Any]  # HEAD_DIM, V_HEAD_DIM, BLOCK_D, BLOCK_DV, CAUSAL, USE_WINDOW, DOT_FP32
+
+
+def prepare_launch(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    sm_scale: float,
+    causal: bool,
+    sliding_window: Optional[int],
+) -> AttnLaunch:
+    """Check dtypes and strides, then build the launch arguments the extend and split-K kernels share."""
+    check_kv_dtype(q, k_buf)
+    check_last_dim_contiguous(q=q, o=o, k_buf=k_buf, v_buf=v_buf)
+    head_dim, v_head_dim = q.shape[2], v_buf.shape[2]
+    meta = dict(
+        HEAD_DIM=head_dim,
+        V_HEAD_DIM=v_head_dim,
+        BLOCK_D=head_block(head_dim),
+        BLOCK_DV=head_block(v_head_dim),
+        CAUSAL=causal,
+        USE_WINDOW=sliding_window is not None,
+        DOT_FP32=dot_in_fp32(q.dtype),
+    )
+    return AttnLaunch(
+        num_heads=q.shape[1],
+        num_kv_heads=k_buf.shape[1],
+        v_head_dim=v_head_dim,
+        sm_scale_log2=sm_scale * LOG2E,
+        sliding_window=0 if sliding_window is None else sliding_window,
+        meta=meta,
+    )
+
+
+def select_kernel(tuned: Any, plain: Any, fixed_blocks: dict[str, int]) -> tuple[Any, dict[str, int]]:
+    """The kernel to launch and the block meta it needs: the autotuned one and none, or the plain one and ``fixed_blocks``."""
+    if autotune_enabled():
+        return tuned, {}
+    return plain, fixed_blocks
 
 
 @triton.jit

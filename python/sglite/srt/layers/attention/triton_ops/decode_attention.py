@@ -20,16 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglite.srt.layers.attention.triton_ops.common import (
-    INTERPRET,
-    LOG2E,
-    attend_kv_tile,
-    autotune_enabled,
-    check_kv_dtype,
-    check_last_dim_contiguous,
-    dot_in_fp32,
-    head_block,
-)
+from sglite.srt.layers.attention.triton_ops.common import INTERPRET, attend_kv_tile, prepare_launch, select_kernel
 
 # Longest per-request block the split-K kernel takes (rows per tile = block x heads per tile).
 MAX_SPLIT_BLOCK = 32
@@ -221,52 +212,40 @@ def _split_kv_attention(
     mid_o: Optional[torch.Tensor],
     mid_lse: Optional[torch.Tensor],
 ) -> None:
-    check_kv_dtype(q, k_buf)
-    check_last_dim_contiguous(q=q, o=o, k_buf=k_buf, v_buf=v_buf)
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, v_head_dim = k_buf.shape[1], v_buf.shape[2]
+    launch = prepare_launch(q, o, k_buf, v_buf, sm_scale, causal, sliding_window)
+    num_tokens, num_heads = q.shape[0], launch.num_heads
     bs = req_pool_indices.shape[0]
     if bs == 0 or num_tokens == 0:
         return
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1 (got {num_kv_splits})")
     if mid_o is None or mid_lse is None:
-        mid_o, mid_lse = alloc_decode_buffers(num_tokens, num_heads, v_head_dim, num_kv_splits, q.device)
-    group = num_heads // num_kv_heads
+        mid_o, mid_lse = alloc_decode_buffers(num_tokens, num_heads, launch.v_head_dim, num_kv_splits, q.device)
+    group = num_heads // launch.num_kv_heads
     block_g, blocks_per_group = split_tile(group, block_q)
-    block_dv = head_block(v_head_dim)
     is_decode = extend_lens is None
-    meta = dict(
-        HEAD_DIM=head_dim,
-        V_HEAD_DIM=v_head_dim,
-        BLOCK_D=head_block(head_dim),
-        BLOCK_DV=block_dv,
+    kernel, blocks = select_kernel(_split_kernel_tuned, _split_kv_kernel, _FIXED_BLOCKS)
+    # Decode passes seq_lens for the unused extend pointers (never read when IS_DECODE).
+    kernel[(bs, launch.num_kv_heads * blocks_per_group, num_kv_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
+        seq_lens if is_decode else extend_lens, seq_lens if is_decode else q_start,
+        mid_o, mid_lse,
+        launch.sm_scale_log2, launch.sliding_window,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        group, blocks_per_group,
         BLOCK_Q=block_q,
         BLOCK_G=block_g,
         NUM_SPLITS=num_kv_splits,
         IS_DECODE=is_decode,
-        CAUSAL=causal,
-        USE_WINDOW=sliding_window is not None,
-        DOT_FP32=dot_in_fp32(q.dtype),
-    )
-    kernel = _split_kernel_tuned if autotune_enabled() else _split_kv_kernel
-    if kernel is _split_kv_kernel:
-        meta.update(_FIXED_BLOCKS)
-    # Decode passes seq_lens for the unused extend pointers (never read when IS_DECODE).
-    kernel[(bs, num_kv_heads * blocks_per_group, num_kv_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
-        seq_lens if is_decode else extend_lens, seq_lens if is_decode else q_start,
-        mid_o, mid_lse,
-        sm_scale * LOG2E, 0 if sliding_window is None else sliding_window,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        group, blocks_per_group,
-        **meta,
+        **launch.meta,
+        **blocks,
     )
     _decode_merge_kernel[(num_tokens, num_heads)](
         mid_o, mid_lse, o,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), o.stride(0), o.stride(1),
-        V_HEAD_DIM=v_head_dim, BLOCK_DV=block_dv, NUM_SPLITS=num_kv_splits, BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
+        V_HEAD_DIM=launch.v_head_dim, BLOCK_DV=launch.meta["BLOCK_DV"], NUM_SPLITS=num_kv_splits,
+        BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
     )
 
 

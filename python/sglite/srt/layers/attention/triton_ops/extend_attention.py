@@ -14,16 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglite.srt.layers.attention.triton_ops.common import (
-    INTERPRET,
-    LOG2E,
-    attend_kv_tile,
-    autotune_enabled,
-    check_kv_dtype,
-    check_last_dim_contiguous,
-    dot_in_fp32,
-    head_block,
-)
+from sglite.srt.layers.attention.triton_ops.common import INTERPRET, attend_kv_tile, prepare_launch, select_kernel
 
 
 @triton.jit
@@ -141,34 +132,21 @@ def extend_attention_fwd(
     sliding_window: Optional[int] = None,
 ) -> None:
     """Write attention of q ``[T, H, D]`` into o ``[T, H, Dv]`` over the paged K/V ``[S, Hkv, D|Dv]``."""
-    check_kv_dtype(q, k_buf)
-    check_last_dim_contiguous(q=q, o=o, k_buf=k_buf, v_buf=v_buf)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, v_head_dim = k_buf.shape[1], v_buf.shape[2]
+    launch = prepare_launch(q, o, k_buf, v_buf, sm_scale, causal, sliding_window)
     bs = req_pool_indices.shape[0]
     if bs == 0 or max_extend_len == 0:
         return
-    meta = dict(
-        HEAD_DIM=head_dim,
-        V_HEAD_DIM=v_head_dim,
-        BLOCK_D=head_block(head_dim),
-        BLOCK_DV=head_block(v_head_dim),
-        CAUSAL=causal,
-        USE_WINDOW=sliding_window is not None,
-        DOT_FP32=dot_in_fp32(q.dtype),
-    )
-    kernel = _extend_kernel_tuned if autotune_enabled() else _extend_attn_kernel
-    if kernel is _extend_attn_kernel:
-        meta.update(_FIXED_BLOCKS)
+    kernel, blocks = select_kernel(_extend_kernel_tuned, _extend_attn_kernel, _FIXED_BLOCKS)
 
     def grid(m: dict) -> tuple[int, int, int]:
-        return (bs, num_heads, triton.cdiv(max_extend_len, m["BLOCK_M"]))
+        return (bs, launch.num_heads, triton.cdiv(max_extend_len, m["BLOCK_M"]))
 
     kernel[grid](
         q, o, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_start,
-        sm_scale * LOG2E, 0 if sliding_window is None else sliding_window,
+        launch.sm_scale_log2, launch.sliding_window,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
-        num_heads // num_kv_heads,
-        **meta,
+        launch.num_heads // launch.num_kv_heads,
+        **launch.meta,
+        **blocks,
     )
