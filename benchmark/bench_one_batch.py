@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,11 +29,6 @@ class OneBatchResult:
     prefill_tok_s: float
     median_decode_step_s: float
     decode_tok_s: float
-
-
-def _prompts(batch_size: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(8, vocab_size, (batch_size, input_len), generator=g).tolist()
 
 
 def run_sglite(model_path: str, prompts: list[list[int]], output_len: int, device: str, backend: Optional[str]) -> OneBatchResult:
@@ -122,20 +116,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None, help="Write results as JSON here")
     args = p.parse_args(argv)
-    from sglite.launch_server import DEFAULT_MODEL_DIR
-
-    model_path = args.model_path or DEFAULT_MODEL_DIR
-    if not os.path.isfile(os.path.join(model_path, "config.json")):
-        print(f"bench_one_batch: no model at {model_path}; pass --model-path", file=sys.stderr)
-        return 2
+    from sglite.bench_offline import random_prompt_ids, resolve_model_dir
     from sglite.srt.configs.model_config import ModelConfig
+
+    model_path = resolve_model_dir(args.model_path, "bench_one_batch")
 
     vocab = ModelConfig.from_path(model_path).vocab_size
     results = []
     print(f"model {model_path}  device {args.device}  input {args.input_len}  output {args.output_len}")
     print(f"{'bs':>4} {'engine':<13} {'prefill s':>10} {'prefill tok/s':>14} {'decode step ms':>15} {'decode tok/s':>13}")
     for bs in args.batch_size:
-        prompts = _prompts(bs, args.input_len, vocab, args.seed)
+        prompts = random_prompt_ids(bs, args.input_len, vocab, args.seed)
         pair = [run_transformers(model_path, prompts, args.output_len, args.device),
                 run_sglite(model_path, prompts, args.output_len, args.device, args.attention_backend)]
         # sglite's runner publishes the runtime context once per process: reset it for the next batch size.

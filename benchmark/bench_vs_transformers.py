@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Optional
@@ -54,20 +53,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None, help="Write results as JSON here")
     args = p.parse_args(argv)
-    from sglite.launch_server import DEFAULT_MODEL_DIR
-
-    model_path = args.model_path or DEFAULT_MODEL_DIR
-    if not os.path.isfile(os.path.join(model_path, "config.json")):
-        print(f"bench_vs_transformers: no model at {model_path}; pass --model-path", file=sys.stderr)
-        return 2
-
     import sglite
-    from sglite.bench_offline import run_engine
+    from sglite.bench_offline import random_prompt_ids, resolve_model_dir, run_engine
     from sglite.srt.configs.model_config import ModelConfig
 
+    model_path = resolve_model_dir(args.model_path, "bench_vs_transformers")
     vocab = ModelConfig.from_path(model_path).vocab_size
-    g = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(8, vocab, (args.num_prompts, args.input_len), generator=g).tolist()
+    prompts = random_prompt_ids(args.num_prompts, args.input_len, vocab, args.seed)
     sampling = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
     engine = sglite.Engine(
         model_path=model_path, device=args.device, dtype="float32" if args.device == "cpu" else "auto",

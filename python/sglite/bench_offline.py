@@ -7,11 +7,32 @@ bench_spec): the Engine's continuous batching sees at most ``max_concurrency`` r
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from sglite.srt.managers.io_struct import GenerateReqInput
+
+
+def resolve_model_dir(model_path: Optional[str], prog: str) -> str:
+    """The model directory to benchmark (default: the embedded model); exit 2 naming the flag if absent."""
+    from sglite.launch_server import DEFAULT_MODEL_DIR
+
+    path = model_path or DEFAULT_MODEL_DIR
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        print(f"{prog}: no model at {path}; pass --model-path", file=sys.stderr)
+        raise SystemExit(2)
+    return path
+
+
+def random_prompt_ids(num_prompts: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Equal-length random prompts; ids below 8 are skipped (small vocabularies keep special tokens there)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(8, vocab_size, (num_prompts, length), generator=g).tolist()
 
 
 @dataclass
