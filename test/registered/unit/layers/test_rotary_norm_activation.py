@@ -25,6 +25,22 @@ def hf_rope_reference(config, q, k, positions):
     return apply_rotary_pos_emb(q, k, cos, sin)
 
 
+def assert_close_per_position(ours, ref, positions):
+    """Rows agree to 1e-5 plus what fp32 angle rounding allows at that position.
+
+    An fp32 angle p * inv_freq carries up to ~p * 2^-24 rad of rounding, and transformers (a matmul) and
+    we (a broadcast multiply) may round it differently, as may the CPU's vectorised cos/sin. At p = 4000
+    that is ~1e-4 rad, so a fixed 1e-5 tolerance passes or fails by which CPU runs the test.
+    """
+    angle_slack = 4 * positions.double() * 2.0**-24 * ours.abs().amax(dim=(1, 2)).double()
+    row_err = (ours - ref).abs().amax(dim=(1, 2)).double()
+    bound = 1e-5 + angle_slack
+    assert bool((row_err <= bound).all()), f"per-position error {row_err.tolist()} exceeds {bound.tolist()}"
+    # Small angles (< 8 rad) leave no room for rounding to matter: those rows must agree tightly.
+    small = positions <= 7
+    torch.testing.assert_close(ours[small], ref[small], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("rope_parameters", [
     {"rope_type": "default", "rope_theta": 10000.0},
     {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -43,8 +59,8 @@ def test_rotary_matches_transformers(rope_parameters):
     assert isinstance(rope, Llama3RotaryEmbedding if scaling else RotaryEmbedding)
     q2, k2 = rope(positions, q.reshape(t, -1), k.reshape(t, -1))
     ref_q, ref_k = hf_rope_reference(config, q.transpose(0, 1)[None], k.transpose(0, 1)[None], positions)
-    torch.testing.assert_close(q2.reshape(t, heads, hd), ref_q[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k2.reshape(t, kv, hd), ref_k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    assert_close_per_position(q2.reshape(t, heads, hd), ref_q[0].transpose(0, 1), positions)
+    assert_close_per_position(k2.reshape(t, kv, hd), ref_k[0].transpose(0, 1), positions)
 
 
 def test_llama3_inv_freq_matches_transformers():
