@@ -19,7 +19,8 @@ from sglite.srt.planner import GiB, estimate_weight_bytes_per_rank, main, plan_t
 from sglite.srt.runtime_context import derive_attention_widths
 from sglite.srt.server_args import ServerArgs
 
-CONFIGS = "/work/shared/model_configs"
+# The repo's copies of shared/model_configs (identical files), so a fresh clone anywhere finds them.
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "model_configs")
 DRAFT_FILES = {"qwen3-8b-dflash-b16.json", "dspark-qwen3-8b-block7.json"}
 TARGETS = sorted(f for f in os.listdir(CONFIGS) if f.endswith(".json") and f not in DRAFT_FILES)
 

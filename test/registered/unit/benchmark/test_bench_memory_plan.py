@@ -9,7 +9,8 @@ SUITE = "unit-cpu"
 EST_TIME = 10
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
-CONFIGS = os.path.join(os.path.dirname(REPO), "shared", "model_configs")
+# The repo's copies of shared/model_configs (identical files), so a fresh clone anywhere finds them.
+CONFIGS = os.path.join(REPO, "test", "registered", "unit", "configs", "model_configs")
 
 
 def _load_bench():
@@ -25,7 +26,7 @@ def _load_bench():
 @pytest.fixture(scope="module")
 def bench():
     if not os.path.isdir(CONFIGS):
-        pytest.fail(f"shared model configs not found at {CONFIGS}")
+        pytest.fail(f"model configs not found at {CONFIGS}")
     return _load_bench()
 
 

@@ -23,7 +23,8 @@ from sglite.srt.server_args import ServerArgs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-CONFIGS = "/work/shared/model_configs"
+# The repo's copies of shared/model_configs (identical files), so a fresh clone anywhere finds them.
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "model_configs")
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])

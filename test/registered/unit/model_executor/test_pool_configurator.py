@@ -32,7 +32,8 @@ from sglite.srt.model_executor.pool_configurator import (
 from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.srt.server_args import ServerArgs
 
-CONFIGS = "/work/shared/model_configs"
+# The repo's copies of shared/model_configs (identical files), so a fresh clone anywhere finds them.
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "model_configs")
 GiB = 1 << 30
 
 

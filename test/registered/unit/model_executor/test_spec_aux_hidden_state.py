@@ -25,7 +25,8 @@ from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state imp
 from sglite.srt.runtime_context import ParallelNotInitializedError, ParallelState, scoped
 from sglite.srt.server_args import ServerArgs
 
-CONFIGS = "/work/shared/model_configs"
+# The repo's copies of shared/model_configs (identical files), so a fresh clone anywhere finds them.
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "model_configs")
 
 
 def _load(name):
