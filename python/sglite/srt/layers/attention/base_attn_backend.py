@@ -43,11 +43,36 @@ def cpu_list(values: object, fallback: torch.Tensor) -> list[int]:
 
 
 class AttentionBackend(ABC):
-    """Base class: dispatches ``forward`` to the decode or the extend-family path."""
+    """Base class: dispatches ``forward`` to the decode or the extend-family path.
+
+    CUDA graphs (``model_executor/cuda_graph_runner.py``): a backend that can be captured sets
+    ``supports_cuda_graph = True`` and implements the three ``*cuda_graph*`` hooks. Capture and replay
+    hand it a ForwardBatch whose tensors are the graph runner's static buffers (pad requests included);
+    its metadata must live in persistent buffers, and the replay hook refreshes them in place from
+    those device tensors with no host sync (no ``.item()``/``.tolist()``, no data-dependent shapes).
+    """
+
+    # Whether forwards through this backend can be captured in CUDA graphs.
+    supports_cuda_graph: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Prepare per-batch metadata (index arrays, plans) once before the layers run."""
+
+    def _no_cuda_graph(self) -> RuntimeError:
+        return RuntimeError(f"{type(self).__name__} cannot be captured in CUDA graphs (supports_cuda_graph is False)")
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the persistent metadata buffers for graphs of up to ``max_bs`` requests / ``max_num_tokens`` tokens."""
+        raise self._no_cuda_graph()
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
+        """Metadata for capturing this static batch (called before capture, outside the graph)."""
+        raise self._no_cuda_graph()
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
+        """Refresh the persistent metadata in place for a replay of this static batch (outside the graph)."""
+        raise self._no_cuda_graph()
 
     def forward(
         self,

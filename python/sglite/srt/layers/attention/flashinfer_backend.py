@@ -60,6 +60,10 @@ def window_left(sliding_window: Optional[int]) -> int:
 class FlashInferAttnBackend(AttentionBackend):
     """Paged attention through flashinfer's batch prefill / decode wrappers."""
 
+    # Eager only: plans are made on the host per batch and kv_indices has a data-dependent length;
+    # graphs would need flashinfer's CUDA-graph wrappers over fixed-size index buffers (not done).
+    supports_cuda_graph = False
+
     def __init__(self, runner: Any) -> None:
         self.flashinfer = _import_flashinfer()
         self.device = torch.device(runner.device)

@@ -199,6 +199,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     # Batches whose padding would cost more than this factor of the real score work are split into
     # groups of similar lengths (keeps one long prompt plus many short ones from blowing up memory).
     padding_limit: float = 4.0
+    # Not graph-safe: metadata comes from host lists and has data-dependent shapes (padded to max seq_len).
+    supports_cuda_graph = False
 
     def __init__(self, runner: Any = None) -> None:
         self.runner = runner

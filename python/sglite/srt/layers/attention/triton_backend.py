@@ -58,14 +58,26 @@ def choose_num_kv_splits(batch_size: int, num_kv_heads: int, group: int, device:
     return min(MAX_KV_SPLITS, triton.next_power_of_2(want))
 
 
+def _write_q_start(q_start: torch.Tensor, extend_lens: torch.Tensor) -> None:
+    """Exclusive cumsum of new-token counts into ``q_start`` in place (device ops only, no host sync)."""
+    q_start[:1].zero_()
+    if q_start.numel() > 1:
+        q_start[1:].copy_(torch.cumsum(extend_lens[:-1], dim=0))
+
+
 class TritonAttnBackend(AttentionBackend):
     """Attention over the paged KV pool with the kernels in ``triton_ops``.
 
-    CUDA graphs: metadata lives in persistent buffers updated in place (``q_start``), and the split-K
-    scratch is one grow-only buffer whose outgrown predecessors are kept alive, so a captured graph
-    never points at freed memory; call ``reserve(max_batch_size)`` before capturing so ``q_start`` is
-    not reallocated afterwards. A captured extend-family graph bakes in its block size (grid).
+    CUDA graphs (``supports_cuda_graph``): graph metadata lives in its own persistent buffer
+    (``q_start`` offsets, refreshed in place by ``init_forward_metadata_replay_cuda_graph`` with a device
+    cumsum), and the split-K scratch is one grow-only buffer whose outgrown predecessors are kept alive,
+    so a captured graph never points at freed memory. The kernels' grids depend only on the batch size,
+    the block size and the split count (a function of the batch size and head geometry), never on
+    sequence lengths: each program derives its KV chunk from ``seq_lens`` on the device, so one graph
+    serves every context length. A captured extend-family graph bakes in its block size (grid).
     """
+
+    supports_cuda_graph = True
 
     def __init__(
         self, runner: Any = None, num_kv_splits: Optional[int] = None, split_block_max: int = MAX_SPLIT_BLOCK
@@ -79,6 +91,10 @@ class TritonAttnBackend(AttentionBackend):
         self._scratch_buf: Optional[torch.Tensor] = None
         self._retired_scratch: list[torch.Tensor] = []
         self._q_start_buf: Optional[torch.Tensor] = None
+        # CUDA graphs: q_start of graph batches (apart from the eager buffer, which eager forwards rewrite)
+        # and the metadata captured per (mode, batch size, block size).
+        self._cg_q_start: Optional[torch.Tensor] = None
+        self._cg_metadata: dict[tuple[str, int, int], TritonForwardMetadata] = {}
 
     def reserve(self, max_batch_size: int, device: Optional[torch.device] = None) -> None:
         """Allocate the persistent metadata buffers for up to ``max_batch_size`` requests."""
@@ -96,12 +112,50 @@ class TritonAttnBackend(AttentionBackend):
         bs = extend_lens.numel()
         self.reserve(bs, extend_lens.device)
         q_start = self._q_start_buf[:bs]  # type: ignore[index]
-        # Exclusive cumsum, written in place so captured graphs read the refreshed values.
-        q_start[:1].zero_()
-        if bs > 1:
-            q_start[1:].copy_(torch.cumsum(extend_lens[:-1], dim=0))
+        _write_q_start(q_start, extend_lens)
         max_extend = max(cpu_list(forward_batch.extend_seq_lens_cpu, extend_lens), default=0)
         self.metadata = TritonForwardMetadata(mode=name, q_start=q_start, max_extend_len=max_extend)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the graph q_start buffer for up to ``max_bs`` requests (kept if already large enough)."""
+        dev = torch.device(getattr(self.runner, "device", "cpu"))
+        if self._cg_q_start is None or self._cg_q_start.numel() < max_bs or self._cg_q_start.device != dev:
+            if self._cg_metadata:
+                raise RuntimeError("TritonAttnBackend: init_cuda_graph_state would move a buffer captured graphs read")
+            self._cg_q_start = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+
+    @staticmethod
+    def _graph_key(forward_batch: "ForwardBatch") -> tuple[str, int, int]:
+        # The static batch's host lists carry its shape (block size), not live values.
+        name = mode_name(forward_batch)
+        block = 1 if name == "DECODE" else max(int(n) for n in forward_batch.extend_seq_lens_cpu)
+        return name, forward_batch.batch_size, block
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
+        """Metadata over the graph buffers for capturing a static batch (DECODE, TARGET_VERIFY, DRAFT_BLOCK)."""
+        name, bs, block = key = self._graph_key(forward_batch)
+        if name == "DECODE":
+            meta = TritonForwardMetadata(mode=name)
+        elif name in ("TARGET_VERIFY", "DRAFT_BLOCK"):
+            if self._cg_q_start is None or self._cg_q_start.numel() < bs:
+                raise RuntimeError("TritonAttnBackend: call init_cuda_graph_state(max_bs, ...) before capturing")
+            meta = TritonForwardMetadata(mode=name, q_start=self._cg_q_start[:bs], max_extend_len=block)
+            _write_q_start(meta.q_start, forward_batch.extend_seq_lens)
+        else:
+            raise ValueError(f"TritonAttnBackend captures DECODE / TARGET_VERIFY / DRAFT_BLOCK graphs, not {name}")
+        self._cg_metadata[key] = meta
+        self.metadata = meta
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
+        """Refresh q_start in place from the static batch's device tensors and select the captured metadata."""
+        key = self._graph_key(forward_batch)
+        meta = self._cg_metadata.get(key)
+        if meta is None:
+            raise RuntimeError(f"TritonAttnBackend: no graph captured for (mode, batch size, block) {key}")
+        if meta.q_start is not None:
+            _write_q_start(meta.q_start, forward_batch.extend_seq_lens)
+        self.metadata = meta
 
     def _metadata_for(self, forward_batch: "ForwardBatch") -> TritonForwardMetadata:
         if self.metadata is None or self.metadata.mode != mode_name(forward_batch):
