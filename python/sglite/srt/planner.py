@@ -95,10 +95,11 @@ def estimate_weight_bytes_per_rank(
     """Weights one rank holds, estimated from the config.
 
     ``sum_layers(attn(attn_tp) * dense_b + (mlp_dense * dense_b + experts * expert_b) / tp)
-    + (embed + lm_head) * dense_b / tp`` where ``attn`` is the per-rank attention projection count
-    (q/o and KV heads split over attention TP, KV heads replicated past their count, MLA's kv_a
-    replicated), MLPs and experts split over the whole TP group, the embedding and the untied lm_head
-    vocab-parallel; bytes per weight from the dtype (fp8 checkpoints 1 B; MXFP4 experts 4.25 bits).
+    + embed * dense_b / attn_tp + lm_head * dense_b / tp`` where ``attn`` is the per-rank attention
+    projection count (q/o and KV heads split over attention TP, KV heads replicated past their count,
+    MLA's kv_a replicated), MLPs and experts split over the whole TP group, the embedding
+    vocab-parallel over attention TP and the LM head over TP (one shared tensor when tied and the
+    widths agree); bytes per weight from the dtype (fp8 checkpoints 1 B; MXFP4 experts 4.25 bits).
     Norms, biases and routers' small terms are left out (< 0.1 %).
     """
     dense_b, expert_b = _weight_elem_bytes(mc)
@@ -108,8 +109,12 @@ def estimate_weight_bytes_per_rank(
         dense, expert = _mlp_params(mc, i)
         total += (dense * dense_b + expert * expert_b) / tp_size
     if with_embeddings:
+        # The embedding is split over attention TP, the LM head over all of TP (DP attention's split);
+        # a tied pair shares one tensor only when those widths agree.
         emb = mc.vocab_size * mc.hidden_size
-        total += emb * dense_b / tp_size * (1 if mc.tie_word_embeddings else 2)
+        total += emb * dense_b / attn_tp_size
+        if not (mc.tie_word_embeddings and attn_tp_size == tp_size):
+            total += emb * dense_b / tp_size
     return int(total)
 
 

@@ -1,4 +1,4 @@
-"""Process groups of one serving world: TP, attention-TP and attention-CP, behind GroupCoordinator.
+"""Process groups of one serving world: TP, attention-TP, attention-CP and attention-DP peers.
 
 Rank layout inside a TP world of ``tp_size`` ranks is (attn_dp, attn_cp, attn_tp) with attn_tp
 fastest: ``tp_rank = (attn_dp_rank * attn_cp + attn_cp_rank) * attn_tp + attn_tp_rank``.
@@ -44,6 +44,19 @@ def attn_tp_group_ranks(attn_tp_size: int, attn_cp_size: int, attn_dp_size: int)
     """Members of every attention-TP group: consecutive blocks of attn_tp ranks."""
     n_blocks = attn_dp_size * attn_cp_size
     return [[b * attn_tp_size + t for t in range(attn_tp_size)] for b in range(n_blocks)]
+
+
+def attn_dp_peer_group_ranks(attn_tp_size: int, attn_cp_size: int, attn_dp_size: int) -> list[list[int]]:
+    """Members of every attention-DP peer group: same (cp, tp) coordinates in every attention-DP group.
+
+    DP attention's token exchange all-gathers over these groups: each member holds its DP group's
+    tokens (replicated over attn_tp), so gathering across peers yields every group's tokens once.
+    """
+    groups = []
+    for c in range(attn_cp_size):
+        for t in range(attn_tp_size):
+            groups.append([(d * attn_cp_size + c) * attn_tp_size + t for d in range(attn_dp_size)])
+    return groups
 
 
 def attn_cp_group_ranks(attn_tp_size: int, attn_cp_size: int, attn_dp_size: int) -> list[list[int]]:
@@ -144,6 +157,7 @@ class GroupCoordinator:
 _TP: Optional[GroupCoordinator] = None
 _ATTN_TP: Optional[GroupCoordinator] = None
 _ATTN_CP: Optional[GroupCoordinator] = None
+_ATTN_DP_PEERS: Optional[GroupCoordinator] = None
 _WORLD: Optional[dict[str, Any]] = None  # {"rank", "world_size", "backend", "owns_process_group"}
 
 
@@ -169,6 +183,11 @@ def get_attn_tp_group() -> GroupCoordinator:
 def get_attn_cp_group() -> GroupCoordinator:
     """The attention context-parallel group of this rank."""
     return _need(_ATTN_CP, "attention-CP")
+
+
+def get_attn_dp_peer_group() -> GroupCoordinator:
+    """This rank's peers in the other attention-DP groups (size attn_dp_size; 1 without DP attention)."""
+    return _need(_ATTN_DP_PEERS, "attention-DP peer")
 
 
 def model_parallel_is_initialized() -> bool:
@@ -255,8 +274,8 @@ def _make_groups(
 def initialize_model_parallel(
     tp_size: int, attn_tp_size: int, attn_cp_size: int, attn_dp_size: int, timeout_s: float = 60.0
 ) -> None:
-    """Build the TP, attention-TP and attention-CP groups of this TP world."""
-    global _TP, _ATTN_TP, _ATTN_CP
+    """Build the TP, attention-TP, attention-CP and attention-DP peer groups of this TP world."""
+    global _TP, _ATTN_TP, _ATTN_CP, _ATTN_DP_PEERS
     if _WORLD is None:
         raise ParallelNotInitializedError(
             "initialize_model_parallel() needs init_distributed_environment() to have run first"
@@ -277,6 +296,10 @@ def initialize_model_parallel(
     _ATTN_CP = _make_groups(
         attn_cp_group_ranks(attn_tp_size, attn_cp_size, attn_dp_size), rank, "attn_cp", world_size, backend, timeout_s
     )
+    _ATTN_DP_PEERS = _make_groups(
+        attn_dp_peer_group_ranks(attn_tp_size, attn_cp_size, attn_dp_size),
+        rank, "attn_dp_peers", world_size, backend, timeout_s,
+    )
 
 
 def world_info() -> dict[str, Any]:
@@ -288,8 +311,8 @@ def world_info() -> dict[str, Any]:
 
 def destroy_model_parallel() -> None:
     """Forget the TP / attention groups (the process groups die with the default group)."""
-    global _TP, _ATTN_TP, _ATTN_CP
-    _TP = _ATTN_TP = _ATTN_CP = None
+    global _TP, _ATTN_TP, _ATTN_CP, _ATTN_DP_PEERS
+    _TP = _ATTN_TP = _ATTN_CP = _ATTN_DP_PEERS = None
 
 
 def destroy_distributed_environment() -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator
+from sglite.srt.layers.dp_attention import run_over_all_groups
 from sglite.srt.layers.utils import resolve_tp_group
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -39,10 +40,18 @@ def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
 class LogitsProcessor(nn.Module):
     """Computes next-token logits from final hidden states with a vocab-parallel LM head."""
 
-    def __init__(self, vocab_size: int, tp_group: Optional[GroupCoordinator] = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        tp_group: Optional[GroupCoordinator] = None,
+        dp_peer_group: Optional[GroupCoordinator] = None,
+    ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.tp_group = resolve_tp_group(tp_group)
+        # DP attention: the head is sharded over all of TP, so rows are exchanged with the other
+        # attention-DP groups around the projection (layers/dp_attention.py).
+        self.dp_peer_group = dp_peer_group
 
     def forward(
         self,
@@ -65,8 +74,16 @@ class LogitsProcessor(nn.Module):
         )
 
     def compute_logits(self, hidden_states: torch.Tensor, lm_head: ParallelLMHead) -> torch.Tensor:
-        """fp32 logits ``[rows, vocab_size]`` for arbitrary hidden-state rows (DFLASH drafts use this)."""
-        logits = F.linear(hidden_states.to(lm_head.weight.dtype), lm_head.weight, lm_head.bias)
-        if self.tp_group.world_size > 1:
-            logits = self.tp_group.all_gather(logits, dim=-1)
-        return logits[..., : self.vocab_size].float()
+        """fp32 logits ``[rows, vocab_size]`` for arbitrary hidden-state rows (DFLASH drafts use this).
+
+        Under DP attention every attention-DP group must call this the same number of times (an idle
+        group passes zero rows).
+        """
+
+        def project(rows: torch.Tensor) -> torch.Tensor:
+            logits = F.linear(rows.to(lm_head.weight.dtype), lm_head.weight, lm_head.bias)
+            if self.tp_group.world_size > 1:
+                logits = self.tp_group.all_gather(logits, dim=-1)
+            return logits[..., : self.vocab_size]
+
+        return run_over_all_groups(project, hidden_states, self.dp_peer_group).float()

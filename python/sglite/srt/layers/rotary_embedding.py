@@ -57,10 +57,14 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H*D] and k [T, Hkv*D] (or [T, H, D]); returns tensors of the input shapes."""
         cos, sin = self.cos_sin(positions)
-        t = positions.shape[0]
-        q = self._rotate(query.reshape(t, -1, self.head_size), cos, sin).reshape(query.shape)
-        k = self._rotate(key.reshape(t, -1, self.head_size), cos, sin).reshape(key.shape)
+        q = self._rotate(self._as_heads(query), cos, sin).reshape(query.shape)
+        k = self._rotate(self._as_heads(key), cos, sin).reshape(key.shape)
         return q, k
+
+    def _as_heads(self, x: torch.Tensor) -> torch.Tensor:
+        # Head count from the feature width, not -1: an IDLE forward (DP attention) has zero rows.
+        heads = x.shape[-1] // self.head_size if x.dim() == 2 else x.shape[1]
+        return x.reshape(x.shape[0], heads, self.head_size)
 
 
 class Llama3RotaryEmbedding(RotaryEmbedding):

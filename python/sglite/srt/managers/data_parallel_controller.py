@@ -99,6 +99,7 @@ def group_port_args(port_args: PortArgs, endpoints: DPEndpoints, placement: Rank
         scheduler_input_ipc_name=endpoints.group_input_ipc_names[placement.dp_rank],
         detokenizer_ipc_name=endpoints.group_output_ipc_names[placement.dp_rank],
         dist_init_method=placement.dist_init_method,
+        dp_rank=placement.dp_rank,  # the replica index (with DP attention the runtime derives the same value)
     )
 
 
@@ -359,7 +360,8 @@ def launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callable
     for pl, info in zip(placements, infos):
         report = getattr(info, "rank_report", None)
         if report is not None:
-            report["dp_rank"] = pl.dp_rank  # a replica's own world cannot know its index; the launcher does
+            if report["dp_rank"] != pl.dp_rank:
+                raise LaunchError(f"scheduler rank {pl.global_rank} reports dp_rank {report['dp_rank']}, placed at {pl.dp_rank}")
             report["global_rank"] = pl.global_rank
             logger.info("%s", format_rank_report(report))
     fronts = [info for pl, info in zip(placements, infos) if pl.is_front]

@@ -300,6 +300,7 @@ class PortArgs:
     tokenizer_ipc_name: str  # DetokenizerManager -> TokenizerManager (PUSH/PULL)
     dist_init_method: str  # torch.distributed rendezvous for the scheduler ranks
     ipc_dir: str
+    dp_rank: int = 0  # replica index of this TP world (DP without DP attention); set per world by the DP launcher
 
     @classmethod
     def create(cls, server_args: Any = None) -> "PortArgs":

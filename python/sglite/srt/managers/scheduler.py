@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
 # PD: while only KV transfers are in flight, wait this long for input instead of spinning on them.
 PD_TRANSFER_POLL_MS = 2
+# DP attention: every group's loop meets the others once per iteration, so an idle group that waited
+# IDLE_POLL_MS for input would stall a busy group's next step by as much; idle groups poll briefly.
+DP_ATTENTION_IDLE_POLL_MS = 5
 
 
 class ModelWorker(Protocol):
@@ -86,6 +89,9 @@ class ModelWorker(Protocol):
 
     def memory_plan(self) -> dict[str, Any]:
         """This rank's memory plan (MemoryPoolConfig as a dict)."""
+
+    # Optional, DP attention: ``dp_peer_group`` (the attention-DP peers, None without DP attention)
+    # and ``forward_idle()`` (the cross-group collectives of one step, with no tokens).
 
 
 @dataclass
@@ -151,11 +157,22 @@ class Scheduler:
         self.num_retractions = 0
         self.num_prefill_forwards = 0
         self.num_decode_forwards = 0
+        self.num_idle_forwards = 0
         self.spec_verify_total = 0
         self.spec_accepted_total = 0
         self._gen_tokens_window = 0
         self._gen_window_start = time.monotonic()
         self.last_gen_throughput = 0.0
+
+        # DP attention: the groups' MLPs and LM head exchange tokens, so every group runs a forward
+        # (an IDLE one if it has nothing) whenever any group does (layers/dp_attention.py).
+        self.dp_peer_group = getattr(worker, "dp_peer_group", None)
+        if self.dp_peer_group is not None and self.disaggregation_mode in ("prefill", "decode"):
+            raise ValueError(
+                "--disaggregation-mode with --enable-dp-attention (attention-DP groups > 1) is not supported; "
+                "drop --enable-dp-attention on PD nodes"
+            )
+        self._any_group_busy = False
 
     # ================================================================== requests in
     def add_request(self, recv: TokenizedGenerateReqInput) -> None:
@@ -233,15 +250,32 @@ class Scheduler:
 
     # ================================================================== the loop body
     def step(self) -> list[BatchTokenIDOut]:
-        """One scheduling step: a prefill batch if one can be formed, else a decode step."""
+        """One scheduling step: a prefill batch if one can be formed, else a decode step.
+
+        Under DP attention a step always runs exactly one worker forward: an IDLE one when this
+        group has nothing to run (the event loop only steps when some group has work).
+        """
         if self.disagg is not None:  # PD: finish handed-off prefills / admit arrived KV
             self.disagg.step()
         batch = self._get_new_prefill_batch()
+        forwarded = False
         if batch is not None:
             self._run_prefill(batch)
+            forwarded = True
         elif self.running:
-            self._run_decode()
+            forwarded = self._run_decode()
+        if not forwarded and self.dp_peer_group is not None:
+            self.worker.forward_idle()
+            self.num_idle_forwards += 1
         return self._collect_outputs()
+
+    def sync_dp_groups(self) -> bool:
+        """DP attention: whether any attention-DP group has work this iteration (one small all-gather)."""
+        if self.dp_peer_group is None:
+            return self.has_work()
+        busy = self.has_work() and not self._only_waiting_on_transfers()
+        self._any_group_busy = any(self.dp_peer_group.all_gather_object(busy))
+        return self._any_group_busy
 
     def has_work(self) -> bool:
         """Whether a step would do anything (requests in flight or outputs pending)."""
@@ -256,15 +290,16 @@ class Scheduler:
         """Step until no request is left; return every output message."""
         outs: list[BatchTokenIDOut] = []
         for _ in range(max_steps):
-            if not self.has_work():
+            if not self.sync_dp_groups():
                 return outs
+            had_work = self.has_work()  # under DP attention a step may only serve other groups
             forwards = self.num_prefill_forwards + self.num_decode_forwards
             step_outs = self.step()
             outs.extend(step_outs)
             if self._only_waiting_on_transfers():
                 time.sleep(0.001)
                 continue
-            if not step_outs and forwards == self.num_prefill_forwards + self.num_decode_forwards:
+            if had_work and not step_outs and forwards == self.num_prefill_forwards + self.num_decode_forwards:
                 raise RuntimeError(
                     f"scheduler is stuck: {len(self.waiting_queue)} waiting requests cannot be admitted "
                     f"({self.allocator.available_size()} free slots, {self.tree_cache.evictable_size()} evictable)"
@@ -400,7 +435,8 @@ class Scheduler:
                 self.running.append(req)
 
     # ================================================================== decode
-    def _run_decode(self) -> None:
+    def _run_decode(self) -> bool:
+        """One decode forward over the running requests; False when retraction left nothing to run."""
         t = int(self.worker.num_decode_tokens_per_req)
         loc = None
         while self.running:
@@ -414,14 +450,14 @@ class Scheduler:
             elif len(self.running) == 1:
                 req = self.running[0]
                 self._finish_now(req, finish_abort(self._no_room_message(req)))
-                return
+                return False
             else:
                 # SGLang's choice: fewest generated tokens first, then the longest prompt (frees the most).
                 victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
                 self.running.remove(victim)
                 self._retract(victim)
         if not self.running or loc is None:
-            return
+            return False
         reqs = list(self.running)
         table = self.req_to_token_pool.req_to_token
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=table.device)
@@ -460,6 +496,7 @@ class Scheduler:
                 self.running.remove(req)
                 self._release(req)
         self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay)
+        return True
 
     def _check_row_room(self, t: int) -> None:
         cols = self.req_to_token_pool.req_to_token.shape[1]
@@ -641,6 +678,7 @@ class Scheduler:
             "num_running_reqs": len(self.running) + (1 if self.chunked_req is not None else 0),
             "num_waiting_reqs": len(self.waiting_queue),
             "num_retractions": self.num_retractions,
+            "num_idle_forwards": self.num_idle_forwards,
             "avg_spec_accept_length": avg_accept,
             "last_gen_throughput": self.last_gen_throughput,
             "memory_plan": self.worker.memory_plan(),
@@ -670,8 +708,10 @@ class Scheduler:
         while True:
             msgs: list[Any] = []
             if recv_sock is not None:
-                busy = self.has_work() and not self._only_waiting_on_transfers()
-                if recv_sock.poll(0 if busy else (PD_TRANSFER_POLL_MS if self.has_work() else IDLE_POLL_MS)):
+                # Under DP attention another group's work keeps this group stepping: don't sleep on input.
+                busy = (self.has_work() and not self._only_waiting_on_transfers()) or self._any_group_busy
+                idle_poll_ms = IDLE_POLL_MS if self.dp_peer_group is None else DP_ATTENTION_IDLE_POLL_MS
+                if recv_sock.poll(0 if busy else (PD_TRANSFER_POLL_MS if self.has_work() else idle_poll_ms)):
                     while True:
                         try:
                             msgs.append(recv_sock.recv_pyobj(flags=zmq.NOBLOCK))
@@ -683,7 +723,7 @@ class Scheduler:
                 reply = self.handle(msg)
                 if reply is not None and send_sock is not None:
                     send_sock.send_pyobj(reply)
-            if self.has_work():
+            if self.sync_dp_groups():
                 for out in self.step():
                     if send_sock is not None:
                         send_sock.send_pyobj(out)
@@ -708,19 +748,28 @@ def resolve_eos_token_ids(model_path: Optional[str], model_config: Any, tokenize
 
 
 def create_model_worker(
-    server_args: ServerArgs, *, rank: int = 0, world_size: int = 1, dist_init_method: Optional[str] = None
+    server_args: ServerArgs,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    dist_init_method: Optional[str] = None,
+    dp_rank: int = 0,
 ) -> Any:
     """The worker for --speculative-algorithm: DFlashWorker for DFLASH/DSPARK, else TpModelWorker."""
     algo = server_args.speculative_algorithm
     if algo in ("DFLASH", "DSPARK"):
         from sglite.srt.speculative.dflash_worker import create_dflash_worker
 
-        return create_dflash_worker(server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method)
+        return create_dflash_worker(
+            server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method, dp_rank=dp_rank
+        )
     if algo is not None:
         raise ValueError(f"--speculative-algorithm {algo} is not served by sglite's scheduler; use DFLASH or DSPARK")
     from sglite.srt.managers.tp_worker import TpModelWorker
 
-    return TpModelWorker.create(server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method)
+    return TpModelWorker.create(
+        server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method, dp_rank=dp_rank
+    )
 
 
 def _target_runner(worker: Any) -> Any:
@@ -749,7 +798,11 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
     )
     try:
         worker = create_model_worker(
-            server_args, rank=rank, world_size=world_size, dist_init_method=port_args.dist_init_method
+            server_args,
+            rank=rank,
+            world_size=world_size,
+            dist_init_method=port_args.dist_init_method,
+            dp_rank=port_args.dp_rank,
         )
         runner = _target_runner(worker)
         tokenizer_path = server_args.tokenizer_path or server_args.model_path

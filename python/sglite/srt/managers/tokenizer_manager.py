@@ -357,14 +357,20 @@ class TokenizerManager:
             raise EngineDeadError(self.dead_reason)
 
     def check_children(self) -> Optional[str]:
-        """A message naming the first dead subprocess, or None while all are alive."""
-        for name, proc in self.child_processes:
-            if not proc.is_alive():
-                return (
-                    f"the {name} process (pid {proc.pid}) exited unexpectedly with code {proc.exitcode}; "
-                    "the server cannot serve requests any more (see that process's log above)"
-                )
-        return None
+        """A message naming the dead subprocesses (the likely cause first), or None while all are alive.
+
+        Ranks that share collectives die together (a peer's death breaks the next all-gather), so a
+        process killed by a signal is named first: it is the cause, the others are its casualties.
+        """
+        dead = [(name, proc) for name, proc in self.child_processes if not proc.is_alive()]
+        if not dead:
+            return None
+        dead.sort(key=lambda item: not (item[1].exitcode is not None and item[1].exitcode < 0))
+        name, proc = dead[0]
+        reason = f"the {name} process (pid {proc.pid}) exited unexpectedly with code {proc.exitcode}"
+        if len(dead) > 1:
+            reason += " (also exited: " + ", ".join(f"{n} with code {p.exitcode}" for n, p in dead[1:]) + ")"
+        return reason + "; the server cannot serve requests any more (see that process's log above)"
 
     async def watch_children(self, on_dead: Callable[[str], None], interval_s: float = 1.0) -> None:
         """Poll the subprocesses; when one dies fail every request and call on_dead(reason)."""

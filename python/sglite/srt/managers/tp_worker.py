@@ -33,12 +33,22 @@ class TpModelWorker:
 
     @classmethod
     def create(
-        cls, server_args: ServerArgs, *, rank: int = 0, world_size: int = 1, dist_init_method: Optional[str] = None
+        cls,
+        server_args: ServerArgs,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_init_method: Optional[str] = None,
+        dp_rank: int = 0,
     ) -> "TpModelWorker":
         """Build the target ModelRunner for this rank and wrap it."""
         from sglite.srt.model_executor.model_runner import ModelRunner
 
-        return cls(ModelRunner(server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method))
+        return cls(
+            ModelRunner(
+                server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method, dp_rank=dp_rank
+            )
+        )
 
     def memory_plan(self) -> dict[str, Any]:
         """This rank's MemoryPoolConfig as a dict."""
@@ -63,6 +73,16 @@ class TpModelWorker:
             logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, next_ids.view(-1, 1).to(logits.device))
             batch.next_token_logprobs = [[float(x)] for x in logprobs.view(-1).tolist()]
         return [[int(t)] for t in next_ids.tolist()]
+
+    @property
+    def dp_peer_group(self) -> Any:
+        """The attention-DP peers whose forwards must stay in lockstep with ours (None without DP attention)."""
+        return self.model_runner.dp_peer_group
+
+    @torch.no_grad()
+    def forward_idle(self) -> None:
+        """DP attention: take part in the other groups' forward with no tokens of our own."""
+        self.model_runner.forward_idle()
 
     def forward_prefill(self, batch: ScheduleBatch) -> list[list[int]]:
         """EXTEND over each request's new tokens; one sampled token per request."""

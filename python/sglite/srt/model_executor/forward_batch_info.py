@@ -171,3 +171,33 @@ def build_forward_batch(
         capture_aux_hidden_layers=capture_aux_hidden_layers,
         input_embeds=input_embeds,
     )
+
+
+def idle_forward_batch(
+    device: torch.device,
+    *,
+    req_to_token_pool: Any = None,
+    token_to_kv_pool: Any = None,
+    attn_backend: Any = None,
+    capture_aux_hidden_layers: Optional[list[int]] = None,
+) -> ForwardBatch:
+    """An IDLE ForwardBatch: no requests, no tokens (DP attention runs it to keep collectives in step)."""
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return ForwardBatch(
+        forward_mode=ForwardMode.IDLE,
+        batch_size=0,
+        input_ids=empty,
+        positions=empty.clone(),
+        req_pool_indices=empty.clone(),
+        seq_lens=empty.clone(),
+        extend_prefix_lens=empty.clone(),
+        extend_seq_lens=empty.clone(),
+        out_cache_loc=empty.clone(),
+        seq_lens_cpu=[],
+        extend_prefix_lens_cpu=[],
+        extend_seq_lens_cpu=[],
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool=token_to_kv_pool,
+        attn_backend=attn_backend,
+        capture_aux_hidden_layers=capture_aux_hidden_layers,
+    )

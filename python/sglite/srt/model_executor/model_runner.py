@@ -15,7 +15,7 @@ import torch
 
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import init_parallel_runtime
-from sglite.srt.distributed.parallel_state import get_tp_group
+from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_dp_peer_group, get_tp_group
 from sglite.srt.layers.attention.registry import create_attention_backend
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.layers.sampler import Sampler
@@ -25,7 +25,12 @@ from sglite.srt.mem_cache.kv_cache_configurator import (
     get_free_device_memory,
     min_across_group,
 )
-from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, build_forward_batch
+from sglite.srt.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    build_forward_batch,
+    idle_forward_batch,
+)
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import resolve_spec_aux_hidden_state
 from sglite.srt.model_loader.loader import load_model, resolve_dtype
 from sglite.srt.runtime_context import get_parallel
@@ -48,6 +53,7 @@ class ModelRunner:
         rank: int = 0,
         world_size: int = 1,
         dist_init_method: Optional[str] = None,
+        dp_rank: int = 0,
     ) -> None:
         self.server_args = server_args
         self.is_draft = is_draft
@@ -69,7 +75,7 @@ class ModelRunner:
             self.parallel = get_parallel()
         else:
             self.parallel = init_parallel_runtime(
-                server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method
+                server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method, dp_rank=dp_rank
             )
         self.tp_rank = self.parallel.tp_rank
         self.tp_size = self.parallel.tp_size
@@ -173,6 +179,25 @@ class ModelRunner:
             input_embeds=input_embeds,
             device=self.device,
         )
+
+    @torch.no_grad()
+    def forward_idle(self, capture_aux_hidden_layers: Optional[list[int]] = None) -> LogitsProcessorOutput:
+        """A zero-token forward: takes part in DP attention's cross-group exchanges without a batch."""
+        return self.forward(
+            idle_forward_batch(
+                self.device,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool=self.token_to_kv_pool,
+                attn_backend=self.attn_backend,
+                capture_aux_hidden_layers=capture_aux_hidden_layers,
+            )
+        )
+
+    @property
+    def dp_peer_group(self) -> Optional[GroupCoordinator]:
+        """The attention-DP peers this runner's forwards exchange tokens with (None without DP attention)."""
+        peers = get_attn_dp_peer_group()
+        return peers if peers.world_size > 1 else None
 
     @torch.no_grad()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:

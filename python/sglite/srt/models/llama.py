@@ -6,15 +6,21 @@ Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) reuse these classes through 
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import nn
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig
-from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_tp_group
+from sglite.srt.distributed.parallel_state import (
+    GroupCoordinator,
+    get_attn_dp_peer_group,
+    get_attn_tp_group,
+    get_tp_group,
+)
 from sglite.srt.layers.activation import SiluAndMul
 from sglite.srt.layers.attention.radix_attention import RadixAttention
+from sglite.srt.layers.dp_attention import DpTokenLayout, exchange_layout, exchanges_tokens, run_over_all_groups
 from sglite.srt.layers.layernorm import RMSNorm
 from sglite.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglite.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -26,11 +32,11 @@ from sglite.srt.runtime_context import get_parallel
 
 
 def model_tp_group() -> GroupCoordinator:
-    """The group a Llama-family model is sharded over: the attention-TP group.
+    """The group a Llama-family model's attention (and a draft's whole model) is sharded over: attention TP.
 
-    Without DP attention it is the whole TP group. With DP attention each attention-DP group runs a
-    full model replica sharded over its attn_tp ranks (MLP and vocab included), so the requests of one
-    DP group never need another group's tokens; the KV plan prices pools at attn_tp either way.
+    Without DP attention it is the whole TP group. With DP attention it is this rank's attention-DP
+    group, the width the KV plan prices pools at; the target's MLPs and LM head still run over the
+    whole TP group (``model_mlp_group``) with a token exchange across attention-DP groups.
     Attention context parallelism (sequence split over ranks) is not implemented: a clear error.
     """
     if get_parallel().attn_cp_size > 1:
@@ -39,6 +45,12 @@ def model_tp_group() -> GroupCoordinator:
             "for Llama-family models; use --attn-cp-size 1"
         )
     return get_attn_tp_group()
+
+
+def model_mlp_group() -> GroupCoordinator:
+    """The group the target's MLPs and LM head are sharded over: the whole TP group (SGLang's split)."""
+    model_tp_group()  # same support checks
+    return get_tp_group()
 
 
 class LlamaMLP(nn.Module):
@@ -153,6 +165,7 @@ class LlamaDecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.self_attn = LlamaAttention(config, layer_id, attn_tp_group, qkv_bias, o_bias, qk_norm)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, mlp_bias, tp_group)
+        self.dp_peers = get_attn_dp_peer_group()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -162,8 +175,12 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         forward_batch: ForwardBatch,
         residual: Optional[torch.Tensor],
+        dp_layout: Optional[DpTokenLayout] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (block output, residual); the layer's true output is their sum."""
+        """Returns (block output, residual); the layer's true output is their sum.
+
+        ``dp_layout`` (DP attention): the MLP runs over every attention-DP group's tokens.
+        """
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -171,7 +188,9 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, forward_batch)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        if dp_layout is None:
+            return self.mlp(hidden_states), residual
+        return run_over_all_groups(self.mlp, hidden_states, self.dp_peers, dp_layout), residual
 
 
 class LlamaModel(nn.Module):
@@ -180,15 +199,16 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, mlp_bias: bool) -> None:
         super().__init__()
         self.config = config
-        tp_group = model_tp_group()
-        attn_tp_group = tp_group
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp_group)
+        attn_tp_group, mlp_group = model_tp_group(), model_mlp_group()
+        # The embedding stays within the attention-DP group: its lookups need no other group's tokens.
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=attn_tp_group)
         self.layers = nn.ModuleList(
             [
-                LlamaDecoderLayer(config, i, attn_tp_group, tp_group, qkv_bias, o_bias, qk_norm, mlp_bias)
+                LlamaDecoderLayer(config, i, attn_tp_group, mlp_group, qkv_bias, o_bias, qk_norm, mlp_bias)
                 for i in range(config.num_hidden_layers)
             ]
         )
+        self.dp_peers = get_attn_dp_peer_group()
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
@@ -207,8 +227,12 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"capture_aux_hidden_layers {bad} outside the model's {len(self.layers)} layers")
         captured: dict[int, torch.Tensor] = {}
         residual: Optional[torch.Tensor] = None
+        # One count exchange per forward serves every layer's MLP (same rows throughout).
+        dp_layout = None
+        if exchanges_tokens(self.dp_peers):
+            dp_layout = exchange_layout(hidden_states.shape[0], self.dp_peers, hidden_states.device)
         for i, layer in enumerate(self.layers):
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual, dp_layout)
             if capture and i in capture:
                 captured[i] = hidden_states + residual  # the layer's output (DFlash target_layer_ids rule)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -243,11 +267,18 @@ class LlamaForCausalLM(nn.Module):
             qk_norm=self.qk_norm,
             mlp_bias=bool(hf.get("mlp_bias", False)),
         )
-        tp_group = model_tp_group()
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group=tp_group)
-        if config.tie_word_embeddings:
+        head_group = model_mlp_group()
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group=head_group)
+        # Under DP attention the embedding (attention-TP shards) and the head (TP shards) split the
+        # vocabulary differently, so a tied checkpoint tensor is loaded into both instead of shared.
+        self.shares_embedding_weight = (
+            config.tie_word_embeddings and head_group.world_size == self.model.embed_tokens.tp_size
+        )
+        if self.shares_embedding_weight:
             self.lm_head.tie_to(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size, tp_group=tp_group)
+        self.logits_processor = LogitsProcessor(
+            config.vocab_size, tp_group=head_group, dp_peer_group=get_attn_dp_peer_group()
+        )
 
     def get_embed_tokens(self) -> VocabParallelEmbedding:
         """The (vocab-parallel) input embedding."""
@@ -274,11 +305,24 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (q/k/v and gate/up fused on the fly); returns the parameter names filled."""
         skip = ("rotary_emb.inv_freq",)
-        tied = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        tied = ("lm_head.weight",) if self.shares_embedding_weight else ()
+        if self.config.tie_word_embeddings and not self.shares_embedding_weight:
+            weights = _with_untied_head(weights)
         loaded = load_named_weights(self, weights, self.stacked_params_mapping, skip_suffixes=skip, tied_names=tied)
         if self.config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
         return loaded
+
+
+def _with_untied_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, with the embedding also loaded into the (separately sharded) LM head.
+
+    A tied checkpoint that stores ``lm_head.weight`` anyway loads the same values twice.
+    """
+    for name, tensor in weights:
+        yield name, tensor
+        if name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor
 
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "WeightLoadingError"]

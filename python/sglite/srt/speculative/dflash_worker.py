@@ -44,7 +44,12 @@ class DFlashStepStats:
 
 
 def create_dflash_worker(
-    server_args: Any, *, rank: int = 0, world_size: int = 1, dist_init_method: Optional[str] = None
+    server_args: Any,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    dist_init_method: Optional[str] = None,
+    dp_rank: int = 0,
 ) -> "DFlashWorker":
     """Build the target runner, the draft runner (sharing its allocator and req->token table) and the worker."""
     from sglite.srt.model_executor.model_runner import ModelRunner
@@ -53,7 +58,9 @@ def create_dflash_worker(
         raise ValueError(
             f"create_dflash_worker needs --speculative-algorithm DFLASH or DSPARK, got {server_args.speculative_algorithm!r}"
         )
-    target = ModelRunner(server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method)
+    target = ModelRunner(
+        server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method, dp_rank=dp_rank
+    )
     draft = ModelRunner(server_args, is_draft=True, target_runner=target)
     algo = draft.model_config.draft.algorithm if draft.model_config.draft is not None else None
     if algo != server_args.speculative_algorithm:
@@ -148,6 +155,7 @@ class DFlashWorker:
             self.target_runner.attn_backend,
             capture_aux_hidden_layers=self.capture_layers,
         )
+        self._draft_head_idle()  # DP attention: decode steps elsewhere start with a draft-head exchange
         out = self.target_runner.forward(fb)
         self._write_context(out, fb.positions, fb.out_cache_loc)
         info = self._sampling_info(batch)
@@ -192,7 +200,30 @@ class DFlashWorker:
             out.append(block_ids[i, 1 : 1 + n].tolist() + [int(result.bonus_ids[i])])
         return out
 
+    @property
+    def dp_peer_group(self) -> Any:
+        """The attention-DP peers whose forwards must stay in lockstep with ours (None without DP attention)."""
+        return self.target_runner.dp_peer_group
+
+    @torch.no_grad()
+    def forward_idle(self) -> None:
+        """DP attention: the collectives of one step with no tokens (draft head, then the target forward)."""
+        self._draft_head_idle()
+        self.target_runner.forward_idle(self.capture_layers)
+
     # ------------------------------------------------------------------ helpers
+    def _draft_head_idle(self) -> None:
+        """Zero draft rows through the draft's head (the target LM head, sharded over all of TP).
+
+        Under DP attention every step of every group runs the same cross-group exchanges in the same
+        order: [draft head] then [target forward]. A decode step's draft block reaches the head once;
+        prefill and idle steps make the same call with no rows. Without DP attention it does nothing.
+        """
+        if self.dp_peer_group is None:
+            return
+        hidden = self.draft_model.config.hidden_size
+        self.draft_model.compute_logits(torch.zeros(0, hidden, dtype=self.draft_runner.dtype, device=self.device))
+
     def _forward_batch(
         self, mode: ForwardMode, items: list, runner: Any, slots: torch.Tensor, capture: Optional[list[int]] = None
     ) -> ForwardBatch:

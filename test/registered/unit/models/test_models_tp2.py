@@ -85,31 +85,65 @@ def test_tp4_replicates_kv_heads(tmp_path):
         assert res["greedy"] == ref_greedy
 
 
+def _counted_weight_bytes(model) -> int:
+    """Bytes of the tensors the planner's weight estimate counts (it leaves out norms and biases)."""
+    return sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if "norm" not in name and not name.endswith(".bias")
+    )
+
+
 def _dp_attention_rank(rank: int, world_size: int, init_method: str, model_dir: str) -> dict:
     from sglite.srt.model_executor.model_runner import ModelRunner
+    from sglite.srt.planner import estimate_weight_bytes_per_rank
 
     args = ServerArgs(
         model_path=model_dir, device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True, cpu_kv_cache_budget_mb=2
     ).validate()
     runner = ModelRunner(args, rank=rank, world_size=world_size, dist_init_method=init_method)
-    attn = runner.model.model.layers[0].self_attn
-    # Each attention-DP rank serves its own requests: give the ranks different prompts.
-    prompts = PROMPTS[:2] if rank == 0 else PROMPTS[2:]
+    layer = runner.model.model.layers[0]
+    # Each attention-DP group serves its own requests, and the loads differ: rank 1 finishes early
+    # and keeps joining rank 0's MLP / LM-head exchanges with IDLE forwards.
+    if rank == 0:
+        greedy = greedy_generate(runner, PROMPTS[:3], 32)
+    else:
+        greedy = greedy_generate(runner, PROMPTS[3:], 12)
+        for _ in range(32 - 12):
+            assert runner.forward_idle().next_token_logits.shape == (0, runner.model_config.vocab_size)
     return {
         "attn_tp": runner.parallel.attn_tp_size,
-        "local_heads": (attn.num_heads, attn.num_kv_heads),
-        "greedy": greedy_generate(runner, prompts, 32),
+        "local_heads": (layer.self_attn.num_heads, layer.self_attn.num_kv_heads),
+        "mlp_rows": layer.mlp.gate_up_proj.weight.shape[0],
+        "embed_rows": runner.model.model.embed_tokens.weight.shape[0],
+        "lm_head_rows": runner.model.lm_head.weight.shape[0],
+        "weight_bytes": _counted_weight_bytes(runner.model),
+        "estimated_weight_bytes": estimate_weight_bytes_per_rank(runner.model_config, 2, 1),
+        "greedy": greedy,
     }
 
 
 @pytest.mark.timeout(180)
-def test_dp_attention_ranks_run_independent_replicas(tmp_path):
-    """tp 2 / dp 2 with DP attention: attn_tp 1, each rank a full replica serving its own requests."""
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen3", True)])
+def test_dp_attention_splits_attention_from_mlp_and_lm_head(arch, tied, tmp_path):
+    """tp 2 / dp 2 with DP attention (SGLang's split): attention per group at attn_tp 1, MLP and LM head at tp 2.
+
+    Greedy tokens equal transformers' although the groups run different batches (and one idles), and
+    the planner's weight estimate equals the bytes each rank really holds.
+    """
     torch.set_num_threads(1)
-    d = str(tmp_path / "llama")
-    build_tiny_model(d, "llama", seed=13, with_tokenizer=False, eos_token_id=None)
-    ref = _hf_greedy(load_hf_model(d), PROMPTS, 32)
+    d = str(tmp_path / arch)
+    build_tiny_model(d, arch, seed=13, with_tokenizer=False, eos_token_id=None, tie_word_embeddings=tied)
+    hf = load_hf_model(d)
+    ref = _hf_greedy(hf, PROMPTS, 32)
     r0, r1 = run_local_ranks(_dp_attention_rank, 2, d, timeout_s=150)
-    assert r0["attn_tp"] == r1["attn_tp"] == 1
-    assert r0["local_heads"] == (4, 2)
-    assert r0["greedy"] + r1["greedy"] == ref
+    cfg = hf.config
+    for res in (r0, r1):
+        assert res["attn_tp"] == 1
+        assert res["local_heads"] == (cfg.num_attention_heads, cfg.num_key_value_heads)  # whole attention
+        assert res["mlp_rows"] == cfg.intermediate_size  # (gate + up) / tp 2
+        assert res["embed_rows"] == cfg.vocab_size  # embedding split over attn_tp 1
+        assert res["lm_head_rows"] == cfg.vocab_size // 2  # LM head over tp 2 (a tied head gets its own copy)
+        assert res["weight_bytes"] == res["estimated_weight_bytes"]
+    assert r0["greedy"] == ref[:3]
+    assert r1["greedy"] == [ref[3][:12]]

@@ -101,7 +101,7 @@ def generate(scheduler: Scheduler, prompts, params: list[SamplingParams], rid_pr
         scheduler.add_request(TokenizedGenerateReqInput(rid=f"{rid_prefix}{i}", input_text=None, input_ids=list(p), sampling_params=sp, stream=True))
     run = Run()
     for _ in range(10000):
-        if not scheduler.has_work():
+        if not scheduler.sync_dp_groups():  # has_work(), or (DP attention) whether any group has
             break
         for msg in scheduler.step():
             for j, rid in enumerate(msg.rids):
@@ -406,9 +406,16 @@ def _dp_attention_rank_main(rank: int, world_size: int, init_method: str, target
     args = spec_args(target_dir, draft_dir, tp_size=2, dp_size=2, enable_dp_attention=True)
     worker = create_dflash_worker(args, rank=rank, world_size=world_size, dist_init_method=init_method)
     # Each attention-DP rank serves its own requests with a whole replica (attn_tp 1).
-    run = generate(Scheduler(args, worker), prompts[rank :: 2], [greedy(max_new)] * len(prompts[rank :: 2]))
+    scheduler = Scheduler(args, worker)
+    run = generate(scheduler, prompts[rank :: 2], [greedy(max_new)] * len(prompts[rank :: 2]))
     attn = worker.draft_model.layers[0].self_attn
+    target = worker.target_model
     return {
+        # SGLang's split: target attention per attention-DP group (attn_tp 1), MLP and LM head over tp 2.
+        "target_attn_heads": target.model.layers[0].self_attn.num_heads,
+        "target_mlp_rows": target.model.layers[0].mlp.gate_up_proj.weight.shape[0],
+        "lm_head_rows": target.lm_head.weight.shape[0],
+        "idle_forwards": scheduler.num_idle_forwards,
         "ids": [run.ids[f"r{i}"] for i in range(len(prompts[rank :: 2]))],
         "steps": [run.steps[f"r{i}"] for i in range(len(prompts[rank :: 2]))],
         "draft_local_heads": (attn.num_heads, attn.num_kv_heads),
@@ -425,11 +432,17 @@ def test_dp_attention_draft_is_sharded_at_attn_tp(trained):
     prompts = [tr.prompts[0], tr.prompts[1], random_prompts(1, seed=21)[0]]
     max_new = 13
     results = run_local_ranks(_dp_attention_rank_main, 2, target_dir, tr.draft_dir, prompts, max_new, timeout_s=240)
+    hf = target.config
     for rank, res in enumerate(results):
         assert res["draft_local_heads"] == (4, 2) and res["draft_pool_heads"] == 2
+        assert res["target_attn_heads"] == hf.num_attention_heads
+        assert res["target_mlp_rows"] == 2 * hf.intermediate_size // 2  # gate + up rows, split over tp 2
+        assert res["lm_head_rows"] == -(-hf.vocab_size // 2)
         for ids, steps, p in zip(res["ids"], res["steps"], prompts[rank::2]):
             ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new)
             assert ids == ref_ids and steps[1:] == ref_lens
+    # Rank 1 has one request, rank 0 two: rank 1 keeps stepping (IDLE) while rank 0 finishes.
+    assert results[1]["idle_forwards"] > 0
 
 
 def test_retraction_under_kv_pressure_stays_lossless(trained):
