@@ -82,8 +82,10 @@ class ServerArgs:
     enable_mixed_chunk: bool = _opt("Run decoding requests inside prefill batches (no speculative decoding)", False)
     disable_radix_cache: bool = _opt("Disable the radix prefix cache", False)
     attention_backend: Optional[str] = _opt("Attention backend; default: triton on CUDA, torch_native on CPU", None, ATTENTION_BACKENDS)
-    disable_cuda_graph: bool = _opt("Disable CUDA graphs", False)
-    cuda_graph_max_bs: int = _opt("Largest decode batch captured in a CUDA graph", 32)
+    disable_cuda_graph: bool = _opt("Disable CUDA graphs (decode, DFLASH verify and draft block run eagerly)", False)
+    cuda_graph_max_bs: int = _opt(
+        "Largest batch (requests) captured in a CUDA graph; buckets 1, 2, 4, 8, then multiples of 8", 32
+    )
 
     # Speculative decoding.
     speculative_algorithm: Optional[str] = _opt("Speculative decoding algorithm", None, SPECULATIVE_ALGORITHMS)
@@ -128,6 +130,7 @@ class ServerArgs:
             f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}",
         )
         _require(self.page_size >= 1, "--page-size must be >= 1")
+        _require(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs must be >= 1 (use --disable-cuda-graph to turn graphs off)")
         _require(self.cpu_kv_cache_budget_mb > 0, "--cpu-kv-cache-budget-mb must be > 0")
         _require(self.max_total_tokens is None or self.max_total_tokens > 0, "--max-total-tokens must be > 0")
         _require(

@@ -11,7 +11,7 @@ EST_TIME = 15
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
 SCRIPT = os.path.join(REPO, "scripts", "gpu_check.sh")
-STEPS = ("environment", "gpu-tests", "attention-bandwidth", "decode-throughput", "dflash-speedup")
+STEPS = ("environment", "gpu-tests", "attention-bandwidth", "decode-throughput", "dflash-speedup", "cuda-graph-decode")
 
 
 def _run(*args, env=None):
@@ -33,7 +33,7 @@ def test_dry_run_lists_every_step_within_budget(tmp_path):
         budgets[name] = int(m.group(1))
         rest = m.group(2)
         script = {"attention-bandwidth": "benchmark/bench_attention.py", "decode-throughput": "benchmark/bench_one_batch.py",
-                  "dflash-speedup": "benchmark/bench_spec.py"}.get(name)
+                  "dflash-speedup": "benchmark/bench_spec.py", "cuda-graph-decode": "benchmark/bench_cuda_graph.py"}.get(name)
         if script is not None:
             # Either it would run the script, or it says which file is missing.
             if os.path.isfile(os.path.join(REPO, script)):
