@@ -8,7 +8,13 @@ import torch
 from sglite.srt.distributed import parallel_state as ps
 from sglite.srt.distributed.bootstrap import destroy_parallel_runtime, init_parallel_runtime, simulate_rank
 from sglite.srt.distributed.local_launch import run_local_ranks
-from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_cp_group, get_attn_tp_group, get_tp_group
+from sglite.srt.distributed.parallel_state import (
+    GroupCoordinator,
+    get_attn_cp_group,
+    get_attn_dp_peer_group,
+    get_attn_tp_group,
+    get_tp_group,
+)
 from sglite.srt.runtime_context import ParallelNotInitializedError, ParallelState, get_parallel, publish, scoped
 from sglite.srt.server_args import ServerArgs
 
@@ -29,6 +35,7 @@ def _widths_and_sums(rank, world_size, init_method, dp_size, enable_dp_attention
     attn_tp_sum = get_attn_tp_group().all_reduce(torch.tensor([contrib], dtype=torch.float64)).item()
     tp_sum = get_tp_group().all_reduce(torch.tensor([contrib], dtype=torch.float64)).item()
     cp_sum = get_attn_cp_group().all_reduce(torch.tensor([contrib], dtype=torch.float64)).item()
+    dp_peer_sum = get_attn_dp_peer_group().all_reduce(torch.tensor([contrib], dtype=torch.float64)).item()
     gathered = get_attn_tp_group().all_gather(torch.tensor([[rank, rank]]), dim=1).tolist()
     out = {
         "attn_tp_size": p.attn_tp_size,
@@ -44,6 +51,7 @@ def _widths_and_sums(rank, world_size, init_method, dp_size, enable_dp_attention
         "attn_tp_sum": attn_tp_sum,
         "tp_sum": tp_sum,
         "cp_sum": cp_sum,
+        "dp_peer_sum": dp_peer_sum,
         "gathered": gathered,
     }
     destroy_parallel_runtime()
@@ -63,6 +71,7 @@ def test_world4_tp4():
         assert r["world_size"] == 4 and r["backend"] == "gloo"
         assert r["attn_tp_sum"] == r["tp_sum"] == _sum_of([0, 1, 2, 3])
         assert r["cp_sum"] == 10.0**rank  # attention-CP group of one: the identity
+        assert r["dp_peer_sum"] == 10.0**rank  # no DP attention: no peers
         assert r["gathered"] == [[0, 0, 1, 1, 2, 2, 3, 3]]
 
 
@@ -79,6 +88,8 @@ def test_tp4_dp2_dp_attention():
         assert r["attn_tp_sum"] == _sum_of(groups[rank])
         assert r["tp_sum"] == _sum_of([0, 1, 2, 3])
         assert r["gathered"] == [[m for m in groups[rank] for _ in range(2)]]
+        # Peers: the same attention-TP index in the other group (0<->2, 1<->3).
+        assert r["dp_peer_sum"] == _sum_of([rank % 2, rank % 2 + 2])
 
 
 @pytest.mark.timeout(120)
@@ -90,6 +101,7 @@ def test_tp4_dp4_dp_attention():
         assert (r["attn_tp_rank"], r["attn_dp_rank"], r["dp_rank"]) == (0, rank, rank)
         assert r["attn_tp_sum"] == 10.0**rank
         assert r["tp_sum"] == _sum_of([0, 1, 2, 3])
+        assert r["dp_peer_sum"] == _sum_of([0, 1, 2, 3])  # attn_tp 1: every rank is every other's peer
 
 
 @pytest.mark.timeout(120)
