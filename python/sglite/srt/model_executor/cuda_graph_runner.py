@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -113,11 +114,51 @@ class CudaGraph:
         self._graph.replay()
 
 
+class HostSyncError(RuntimeError):
+    """A captured forward read a device value on the host (a real CUDA graph capture would fail or bake it in)."""
+
+
+# aten ops that read tensor values on the host or give data-dependent shapes.
+_HOST_SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique")
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Raises HostSyncError on ``.item()``/``int()``/``bool()`` of a tensor, nonzero, boolean-mask indexing, ``.tolist()``."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith(_HOST_SYNC_OPS) or (
+            name.startswith(("aten.index.", "aten.index_put")) and _has_bool_index(args)
+        ):
+            raise HostSyncError(f"{name} inside a captured forward (host sync or data-dependent shape)")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+
+        def _refuse(t: torch.Tensor) -> Any:
+            raise HostSyncError("Tensor.tolist() inside a captured forward (host sync)")
+
+        torch.Tensor.tolist = _refuse  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+
+def _has_bool_index(args: tuple) -> bool:
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+
+
 class EagerReplayGraph:
     """CPU test double: replay re-runs the captured callable and copies its results into the captured outputs.
 
     It checks the static-buffer discipline of what is captured: a callable that reads only the static
-    buffers gives, re-run after the buffers are refilled, what a real graph replay would.
+    buffers gives, re-run after the buffers are refilled, what a real graph replay would. Capture and
+    replay run under a guard that raises ``HostSyncError`` on host reads of device values (``.item()``,
+    ``int()``/``bool()`` of a tensor, ``.tolist()``, nonzero, boolean-mask indexing).
     """
 
     def __init__(self) -> None:
@@ -126,16 +167,19 @@ class EagerReplayGraph:
         self.num_replays = 0
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` once and keep it and its outputs."""
+        """Run ``fn`` once (host syncs refused) and keep it and its outputs."""
         self._fn = fn
-        self._out = fn()
+        with _NoHostSync():
+            self._out = fn()
         return self._out
 
     def replay(self) -> None:
         """Re-run the callable and write its outputs into the tensors ``capture`` returned."""
         if self._fn is None:
             raise RuntimeError("EagerReplayGraph.replay before capture")
-        _copy_into(self._out, self._fn())
+        with _NoHostSync():
+            out = self._fn()
+        _copy_into(self._out, out)
         self.num_replays += 1
 
 
