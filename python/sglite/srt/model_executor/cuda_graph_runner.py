@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm import tqdm
 
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -413,8 +414,6 @@ class CudaGraphRunner:
     @torch.no_grad()
     def capture(self, show_progress: bool = False) -> None:
         """Capture one graph per bucket, largest first (scratch buffers reach full size on the first)."""
-        from tqdm.auto import tqdm
-
         cuda = self.device.type == "cuda"
         free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         t0 = time.perf_counter()
