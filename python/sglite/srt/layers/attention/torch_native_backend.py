@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from sglite.srt.layers.attention.base_attn_backend import AttentionBackend, cpu_list, mode_name
 
@@ -85,20 +86,28 @@ class _BatchGroup:
     def __init__(self, spans: RequestSpans, members: list[int], rows: torch.Tensor, req_to_token: torch.Tensor) -> None:
         device = req_to_token.device
         self.members = members
-        prefix = torch.tensor([spans.prefix_lens[i] for i in members], device=device)
-        extend = torch.tensor([spans.extend_lens[i] for i in members], device=device)
+        prefix_list = [spans.prefix_lens[i] for i in members]
+        lens = [spans.extend_lens[i] for i in members]
+        seq_list = [spans.seq_lens[i] for i in members]
+        prefix = torch.tensor(prefix_list, device=device)
+        extend = torch.tensor(lens, device=device)
         seq = prefix + extend
         bs = len(members)
-        self.max_q = max(spans.extend_lens[i] for i in members)
-        max_s = max(spans.seq_lens[i] for i in members)
+        self.max_q = max(lens)
+        self.max_s = max_s = max(seq_list)
+        # Every key slot of the padded table is a real key (equal lengths): no validity mask needed.
+        self.all_keys_valid = min(seq_list) == max_s
         k_pos = torch.arange(max_s, device=device)
         self.kv_valid = k_pos[None, :] < seq[:, None]  # [bs, S]
-        # Padded key slots read slot 0 (reserved, never a request's); the mask drops them.
-        slots = req_to_token[rows[members], :max_s].long()
-        self.kv_index = torch.where(self.kv_valid, slots, torch.zeros_like(slots))
+        # Padded key slots read slot 0 (reserved, never a request's); the mask drops them. Flat, so each
+        # layer gathers K and V with one index_select (far cheaper than advanced indexing on CPU).
+        member_rows = rows if len(members) == rows.numel() else rows[members]
+        slots = req_to_token[member_rows, :max_s].long()
+        if not self.all_keys_valid:
+            slots = slots.masked_fill_(~self.kv_valid, 0)
+        self.kv_index = slots.reshape(-1)
         # Equal query counts over consecutive requests (decode, verify, draft blocks, one-request groups):
         # the packed queries already are the padded layout, so no scatter/gather is needed.
-        lens = [spans.extend_lens[i] for i in members]
         consecutive = members == list(range(members[0], members[0] + len(members)))
         self.token_slice: Optional[slice] = None
         self.q_src: Optional[torch.Tensor] = None
@@ -116,22 +125,29 @@ class _BatchGroup:
         self.q_valid = q_i[None, :] < extend[:, None]  # [bs, Q]
         self.q_pos = (prefix[:, None] + q_i[None, :])[:, :, None]  # [bs, Q, 1]
         self.k_pos = k_pos[None, None, :]  # [1, 1, S]
-        self._masks: dict[tuple[bool, Optional[int]], torch.Tensor] = {}
+        # The largest query position: a sliding window no query can exceed masks nothing.
+        self.max_q_pos = max(p + n - 1 for p, n in zip(prefix_list, lens))
+        self._masks: dict[tuple[bool, Optional[int]], Optional[torch.Tensor]] = {}
 
-    def mask(self, causal: bool, sliding_window: Optional[int]) -> torch.Tensor:
-        """Boolean ``[bs, Q, S]`` (cached per causal/window): valid keys each padded query sees."""
+    def mask(self, causal: bool, sliding_window: Optional[int]) -> Optional[torch.Tensor]:
+        """Boolean ``[bs, 1, Q, S]`` (cached per causal/window): valid keys each padded query sees; None = all."""
         key = (causal, sliding_window)
         if key not in self._masks:
+            causal_clause = causal and self.max_q > 1  # one query per request sits last: causal = every valid key
+            window_clause = sliding_window is not None and self.max_q_pos >= sliding_window
+            if self.all_keys_valid and not causal_clause and not window_clause and self.token_slice is not None:
+                self._masks[key] = None  # decode / draft block over equal lengths: every key is visible
+                return None
             m = self.kv_valid[:, None, :].expand(-1, self.max_q, -1)
-            if causal and self.max_q > 1:  # one query per request sits last: causal = every valid key
+            if causal_clause:
                 m = m & (self.k_pos <= self.q_pos)
-            if sliding_window is not None:
+            if window_clause:
                 m = m & (self.q_pos - self.k_pos < sliding_window)
             if self.token_slice is None:
                 # Padded query rows see key 0 so their (discarded) softmax stays finite.
                 pad_rows = ~self.q_valid[:, :, None] & (self.k_pos == 0)
                 m = (m & self.q_valid[:, :, None]) | pad_rows
-            self._masks[key] = m
+            self._masks[key] = m[:, None]
         return self._masks[key]
 
 
@@ -161,31 +177,33 @@ def _group_requests(spans: RequestSpans, padding_limit: float) -> list[list[int]
 
 
 def batched_attention(
-    q3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: _BatchGroup, mask: torch.Tensor, scaling: float
+    q3: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    group: _BatchGroup,
+    mask: Optional[torch.Tensor],
+    scaling: float,
 ) -> torch.Tensor:
     """One masked fp32 attention over a padded group → ``[tokens of group, H, Dv]`` in packed order.
 
-    GQA without repeating K/V: the G query heads sharing a KV head are stacked along the query axis.
+    K/V are gathered once (one ``index_select`` each) and handed to SDPA as strided ``[bs, Hkv, S, D]``
+    views, so nothing is copied again for the matmuls; GQA is SDPA's own (no repeated K/V).
     """
-    bs, max_q = group.bs, group.max_q
+    bs, max_q, max_s = group.bs, group.max_q, group.max_s
     num_heads, head_dim = q3.shape[1], q3.shape[2]
     kv_heads = k_buf.shape[1]
-    g = num_heads // kv_heads
     if group.token_slice is not None:
         qp = q3[group.token_slice].float()
     else:
         qp = q3.new_zeros((bs * max_q, num_heads, head_dim), dtype=torch.float32)
         qp[group.q_dst] = q3[group.q_src].float()
-    # [bs, Q, Hkv, G, D] -> [bs, Hkv, G*Q, D]
-    qp = qp.view(bs, max_q, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(bs, kv_heads, g * max_q, head_dim)
-    k = k_buf[group.kv_index].float().permute(0, 2, 3, 1)  # [bs, Hkv, D, S]
-    v = v_buf[group.kv_index].float().permute(0, 2, 1, 3)  # [bs, Hkv, S, Dv]
-    scores = torch.matmul(qp, k).mul_(scaling).view(bs, kv_heads, g, max_q, -1)
-    scores.masked_fill_(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(bs, kv_heads, g * max_q, -1)
-    o = torch.matmul(probs, v)  # [bs, Hkv, G*Q, Dv]
-    dv = o.shape[-1]
-    o = o.view(bs, kv_heads, g, max_q, dv).permute(0, 3, 1, 2, 4).reshape(bs * max_q, num_heads, dv)
+    qp = qp.view(bs, max_q, num_heads, head_dim).transpose(1, 2)  # [bs, H, Q, D]
+    k = k_buf.index_select(0, group.kv_index).view(bs, max_s, kv_heads, -1).transpose(1, 2).float()
+    v = v_buf.index_select(0, group.kv_index).view(bs, max_s, kv_heads, -1).transpose(1, 2).float()
+    o = F.scaled_dot_product_attention(
+        qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=num_heads != kv_heads
+    )  # [bs, H, Q, Dv]
+    o = o.transpose(1, 2).reshape(bs * max_q, num_heads, o.shape[-1])
     return o if group.token_slice is not None else o[group.q_dst]
 
 
