@@ -21,13 +21,15 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.max_position_embeddings = max_position_embeddings
         self.base = base
-        # Not checkpoint tensors: derived from the config, so non-persistent buffers. cos/sin are
-        # precomputed for every position (one gather per layer at run time); elementwise, so each row
-        # equals computing that position on the fly.
+        # Not checkpoint tensors: derived from the config, so non-persistent buffers. cos and the
+        # sign-folded sin (see ``rotate_heads``) are precomputed for every position in one [P, 2, rotary_dim]
+        # table, so a layer fetches both with one index_select; elementwise, so each row equals
+        # computing that position on the fly.
         self.register_buffer("inv_freq", self._compute_inv_freq(), persistent=False)
         cos, sin = self._angles(torch.arange(max_position_embeddings, device=self.inv_freq.device))
-        self.register_buffer("cos_cache", cos, persistent=False)
-        self.register_buffer("sin_cache", sin, persistent=False)
+        half = rotary_dim // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.register_buffer("cos_signed_sin_cache", torch.stack((cos, signed_sin), dim=1), persistent=False)
 
     def _compute_inv_freq(self) -> torch.Tensor:
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / self.rotary_dim
@@ -40,25 +42,37 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [T, rotary_dim] (fp32) for positions < max_position_embeddings."""
-        return self.cos_cache[positions], self.sin_cache[positions]
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]; rotate-half form of the complex rotation on the first rotary_dim features.
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        cos = cos[:, None, :].to(x.dtype)
-        sin = sin[:, None, :].to(x.dtype)
+        table = self.cos_signed_sin_cache[positions]
         half = self.rotary_dim // 2
-        rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos + rotated_half * sin
-        return torch.cat((out, rest), dim=-1) if rest.numel() else out
+        signed_sin = table[:, 1]
+        return table[:, 0], torch.cat((-signed_sin[:, :half], signed_sin[:, half:]), dim=-1)
+
+    def rotate_heads(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate every head of ``x`` ``[T, heads, head_size]`` (q and k heads may share one tensor): a new tensor.
+
+        Rotate-half form: out = x * cos + swap_halves(x) * signed_sin with signed_sin = [-sin, sin], which
+        equals ``x * cos + cat(-x2, x1) * sin`` bit for bit (negation is exact) in four tensor ops.
+        """
+        t, heads = x.shape[0], x.shape[1]
+        table = self.cos_signed_sin_cache.index_select(0, positions).to(x.dtype)  # [T, 2, rotary_dim]
+        cos, signed_sin = table[:, 0:1], table[:, 1:2]  # [T, 1, rotary_dim], broadcast over heads
+        rd, half = self.rotary_dim, self.rotary_dim // 2
+        rot = x if rd == self.head_size else x[..., :rd]
+        swapped = rot.reshape(t, heads, 2, half).flip(2).view(t, heads, rd)
+        out = rot * cos
+        out += swapped * signed_sin
+        if rd == self.head_size:
+            return out
+        return torch.cat((out, x[..., rd:]), dim=-1)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H*D] and k [T, Hkv*D] (or [T, H, D]); returns tensors of the input shapes."""
-        cos, sin = self.cos_sin(positions)
-        q = self._rotate(self._as_heads(query), cos, sin).reshape(query.shape)
-        k = self._rotate(self._as_heads(key), cos, sin).reshape(key.shape)
+        q = self.rotate_heads(positions, self._as_heads(query)).reshape(query.shape)
+        if key is query:  # one tensor to rotate (e.g. a draft's context keys)
+            return q, q
+        k = self.rotate_heads(positions, self._as_heads(key)).reshape(key.shape)
         return q, k
 
     def _as_heads(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from sglite.srt.distributed.parallel_state import (
 from sglite.srt.layers.activation import SiluAndMul
 from sglite.srt.layers.attention.radix_attention import RadixAttention
 from sglite.srt.layers.dp_attention import DpTokenLayout, exchange_layout, exchanges_tokens, run_over_all_groups
-from sglite.srt.layers.layernorm import RMSNorm
+from sglite.srt.layers.layernorm import RMSNorm, rms_normalize
 from sglite.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglite.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglite.srt.layers.rotary_embedding import get_rope
@@ -139,11 +139,24 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Self-attention of the new tokens over their requests' cached keys."""
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        qkv = self.qkv_proj(hidden_states)
+        t, q_heads, d = qkv.shape[0], self.num_heads, self.head_dim
+        # q and k heads sit side by side in the fused output: normalise and rotate them as one
+        # [T, H + Hkv, D] tensor (half the per-layer ops of doing q and k apart; same values).
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        qk = qkv[:, : q_size + kv_size].view(t, q_heads + self.num_kv_heads, d)
+        v = qkv[:, q_size + kv_size :]
         if self.qk_norm:
-            q = self._norm_heads(self.q_norm, q)
-            k = self._norm_heads(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
+            qk = rms_normalize(qk, self.q_norm.variance_epsilon)  # a new tensor: scaled in place below
+            q_w, k_w = self.q_norm.weight, self.k_norm.weight
+            if q_w.dtype == qk.dtype and k_w.dtype == qk.dtype:
+                qk[:, :q_heads] *= q_w
+                qk[:, q_heads:] *= k_w
+            else:  # weights in another dtype promote the result, as RMSNorm does
+                qk = torch.cat((q_w * qk[:, :q_heads], k_w * qk[:, q_heads:]), dim=1)
+        qk = self.rotary_emb.rotate_heads(positions, qk)
+        q = qk[:, :q_heads].reshape(t, q_size)
+        k = qk[:, q_heads:].reshape(t, kv_size)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
