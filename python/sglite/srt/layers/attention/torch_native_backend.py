@@ -127,28 +127,36 @@ class _BatchGroup:
         self.k_pos = k_pos[None, None, :]  # [1, 1, S]
         # The largest query position: a sliding window no query can exceed masks nothing.
         self.max_q_pos = max(p + n - 1 for p, n in zip(prefix_list, lens))
-        self._masks: dict[tuple[bool, Optional[int]], Optional[torch.Tensor]] = {}
+        self._masks: dict[tuple[bool, Optional[int], int], Optional[torch.Tensor]] = {}
 
-    def mask(self, causal: bool, sliding_window: Optional[int]) -> Optional[torch.Tensor]:
-        """Boolean ``[bs, 1, Q, S]`` (cached per causal/window): valid keys each padded query sees; None = all."""
-        key = (causal, sliding_window)
+    def mask(self, causal: bool, sliding_window: Optional[int], group: int = 1) -> Optional[torch.Tensor]:
+        """Boolean ``[bs, 1, group * Q, S]`` (cached): valid keys of each padded query; None = every key.
+
+        ``group`` query heads share a KV head and are stacked along the query axis (row ``g * Q + i``),
+        so each row repeats its query's mask ``group`` times.
+        """
+        key = (causal, sliding_window, group)
         if key not in self._masks:
-            causal_clause = causal and self.max_q > 1  # one query per request sits last: causal = every valid key
-            window_clause = sliding_window is not None and self.max_q_pos >= sliding_window
-            if self.all_keys_valid and not causal_clause and not window_clause and self.token_slice is not None:
-                self._masks[key] = None  # decode / draft block over equal lengths: every key is visible
-                return None
-            m = self.kv_valid[:, None, :].expand(-1, self.max_q, -1)
-            if causal_clause:
-                m = m & (self.k_pos <= self.q_pos)
-            if window_clause:
-                m = m & (self.q_pos - self.k_pos < sliding_window)
-            if self.token_slice is None:
-                # Padded query rows see key 0 so their (discarded) softmax stays finite.
-                pad_rows = ~self.q_valid[:, :, None] & (self.k_pos == 0)
-                m = (m & self.q_valid[:, :, None]) | pad_rows
-            self._masks[key] = m[:, None]
+            self._masks[key] = self._build_mask(causal, sliding_window, group)
         return self._masks[key]
+
+    def _build_mask(self, causal: bool, sliding_window: Optional[int], group: int) -> Optional[torch.Tensor]:
+        causal_clause = causal and self.max_q > 1  # one query per request sits last: causal = every valid key
+        window_clause = sliding_window is not None and self.max_q_pos >= sliding_window
+        if self.all_keys_valid and not causal_clause and not window_clause and self.token_slice is not None:
+            return None  # decode / draft block over equal lengths: every key is visible
+        m = self.kv_valid[:, None, :].expand(-1, self.max_q, -1)
+        if causal_clause:
+            m = m & (self.k_pos <= self.q_pos)
+        if window_clause:
+            m = m & (self.q_pos - self.k_pos < sliding_window)
+        if self.token_slice is None:
+            # Padded query rows see key 0 so their (discarded) softmax stays finite.
+            pad_rows = ~self.q_valid[:, :, None] & (self.k_pos == 0)
+            m = (m & self.q_valid[:, :, None]) | pad_rows
+        if self.max_q == 1 or group == 1:
+            return m[:, None]  # one query per request broadcasts over the stacked heads
+        return m[:, None].expand(-1, group, -1, -1).reshape(self.bs, 1, group * self.max_q, -1)
 
 
 def _group_requests(spans: RequestSpans, padding_limit: float) -> list[list[int]]:
@@ -177,33 +185,31 @@ def _group_requests(spans: RequestSpans, padding_limit: float) -> list[list[int]
 
 
 def batched_attention(
-    q3: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    group: _BatchGroup,
-    mask: Optional[torch.Tensor],
-    scaling: float,
+    q3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: _BatchGroup, causal: bool, layer: "RadixAttention"
 ) -> torch.Tensor:
     """One masked fp32 attention over a padded group → ``[tokens of group, H, Dv]`` in packed order.
 
     K/V are gathered once (one ``index_select`` each) and handed to SDPA as strided ``[bs, Hkv, S, D]``
-    views, so nothing is copied again for the matmuls; GQA is SDPA's own (no repeated K/V).
+    views, so nothing is copied again for the matmuls. GQA without repeating K/V: the G query heads
+    sharing a KV head are stacked along the query axis (faster on CPU than SDPA's ``enable_gqa``).
     """
     bs, max_q, max_s = group.bs, group.max_q, group.max_s
     num_heads, head_dim = q3.shape[1], q3.shape[2]
     kv_heads = k_buf.shape[1]
+    g = num_heads // kv_heads
     if group.token_slice is not None:
         qp = q3[group.token_slice].float()
     else:
         qp = q3.new_zeros((bs * max_q, num_heads, head_dim), dtype=torch.float32)
         qp[group.q_dst] = q3[group.q_src].float()
-    qp = qp.view(bs, max_q, num_heads, head_dim).transpose(1, 2)  # [bs, H, Q, D]
+    # [bs, Q, Hkv, G, D] -> [bs, Hkv, G*Q, D] (a view when Q == 1)
+    qp = qp.view(bs, max_q, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(bs, kv_heads, g * max_q, head_dim)
     k = k_buf.index_select(0, group.kv_index).view(bs, max_s, kv_heads, -1).transpose(1, 2).float()
     v = v_buf.index_select(0, group.kv_index).view(bs, max_s, kv_heads, -1).transpose(1, 2).float()
-    o = F.scaled_dot_product_attention(
-        qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=num_heads != kv_heads
-    )  # [bs, H, Q, Dv]
-    o = o.transpose(1, 2).reshape(bs * max_q, num_heads, o.shape[-1])
+    mask = group.mask(causal, layer.sliding_window, g)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=layer.scaling)  # [bs, Hkv, G*Q, Dv]
+    dv = o.shape[-1]
+    o = o.view(bs, kv_heads, g, max_q, dv).permute(0, 3, 1, 2, 4).reshape(bs * max_q, num_heads, dv)
     return o if group.token_slice is not None else o[group.q_dst]
 
 
@@ -257,10 +263,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
         if len(self._groups) == 1:
             g = self._groups[0]
-            o = batched_attention(q3, k_buf, v_buf, g, g.mask(causal, layer.sliding_window), layer.scaling)
+            o = batched_attention(q3, k_buf, v_buf, g, causal, layer)
             return o.to(q.dtype).reshape(-1, layer.num_heads * layer.v_head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
         for g in self._groups:
-            o = batched_attention(q3, k_buf, v_buf, g, g.mask(causal, layer.sliding_window), layer.scaling)
+            o = batched_attention(q3, k_buf, v_buf, g, causal, layer)
             out[g.token_slice if g.token_slice is not None else g.q_src] = o.to(out.dtype)
         return out.reshape(-1, layer.num_heads * layer.v_head_dim)
