@@ -108,29 +108,38 @@ def build_forward_batch(
     (an exhausted allocator is an error). The slots are written into ``req_to_token`` before returning,
     so the prefix part of each row must already hold the request's cached slots.
     """
-    items = [r if isinstance(r, ReqForward) else ReqForward(int(r[0]), int(r[1]), list(r[2])) for r in reqs]
-    if not items:
+    if not reqs:
         raise ValueError("build_forward_batch needs at least one request (use ForwardMode.IDLE paths elsewhere)")
-    dev = torch.device(device) if device is not None else req_to_token_pool.req_to_token.device
-    prefix = [it.prefix_len for it in items]
-    extend = [len(it.new_token_ids) for it in items]
+    # Plain python lists in one pass (no per-request objects): this runs every decode step.
+    rows: list[int] = []
+    prefix: list[int] = []
+    new_ids: list[list[int]] = []
+    for r in reqs:
+        row, pre, ids = (r.req_row, r.prefix_len, r.new_token_ids) if isinstance(r, ReqForward) else r
+        rows.append(int(row))
+        prefix.append(int(pre))
+        new_ids.append(ids if isinstance(ids, list) else ids.tolist() if isinstance(ids, torch.Tensor) else list(ids))
+    bs = len(rows)
+    extend = [len(ids) for ids in new_ids]
     seq = [p + n for p, n in zip(prefix, extend)]
-    if mode == ForwardMode.DECODE and any(n != 1 for n in extend):
+    one_each = all(n == 1 for n in extend)
+    if mode == ForwardMode.DECODE and not one_each:
         raise ValueError(f"DECODE takes exactly one new token per request, got {extend}")
-    if any(n < 1 for n in extend):
+    if min(extend) < 1:
         raise ValueError(f"every request needs at least one new token, got {extend}")
     if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_BLOCK) and len(set(extend)) != 1:
         raise ValueError(f"{mode.name} needs the same block size for every request, got {extend}")
-    max_ctx = req_to_token_pool.req_to_token.shape[1]
+    table = req_to_token_pool.req_to_token
+    dev = torch.device(device) if device is not None else table.device
+    max_ctx = table.shape[1]
     if max(seq) > max_ctx:
         raise ValueError(f"a request reaches {max(seq)} tokens but req_to_token holds {max_ctx} per row")
-    table = req_to_token_pool.req_to_token
     total = sum(extend)
     if out_cache_loc is None:
         if allocator is None:
             raise ValueError("build_forward_batch needs an allocator or an explicit out_cache_loc")
         # One gather for every request's last cached slot (0 where there is no prefix).
-        row_t = torch.tensor([it.req_row for it in items], dtype=torch.int64, device=table.device)
+        row_t = torch.tensor(rows, dtype=torch.int64, device=table.device)
         pre_t = torch.tensor(prefix, dtype=torch.int64, device=table.device)
         last_t = table[row_t, (pre_t - 1).clamp_min(0)].to(torch.int64)
         last_locs = torch.where(pre_t > 0, last_t, torch.zeros_like(last_t)).tolist()
@@ -142,25 +151,31 @@ def build_forward_batch(
     if out_cache_loc.numel() != total:
         raise ValueError(f"out_cache_loc has {out_cache_loc.numel()} slots for {total} new tokens")
     out_cache_loc = out_cache_loc.to(dev, torch.int64)
-    # Token j of request i sits at position prefix[i] + j; one scatter writes every new slot into its row.
-    # Python lists then one tensor each: cheaper than tensor arithmetic at decode sizes, linear for prefill.
-    positions_list = [p + j for p, n in zip(prefix, extend) for j in range(n)]
-    token_rows = [it.req_row for it, n in zip(items, extend) for _ in range(n)]
-    table[
-        torch.tensor(token_rows, dtype=torch.int64, device=table.device),
-        torch.tensor(positions_list, dtype=torch.int64, device=table.device),
-    ] = out_cache_loc.to(table.device, table.dtype)
-    positions = torch.tensor(positions_list, dtype=torch.int64, device=dev)
-    input_ids = torch.tensor([t for it in items for t in it.new_token_ids], dtype=torch.int64, device=dev)
+    # Token j of request i sits at position prefix[i] + j. Python lists, then ONE host tensor holding
+    # every per-token and per-request field (one transfer on an accelerator); the fields are views of it.
+    if one_each:
+        positions_list, token_rows, input_list = prefix, rows, [ids[0] for ids in new_ids]
+    else:
+        positions_list = [p + j for p, n in zip(prefix, extend) for j in range(n)]
+        token_rows = [row for row, n in zip(rows, extend) for _ in range(n)]
+        input_list = [t for ids in new_ids for t in ids]
+    packed = torch.tensor(
+        positions_list + input_list + token_rows + rows + seq + prefix + extend, dtype=torch.int64
+    )
+    # One scatter writes every new slot into its request's row.
+    table_packed = packed if table.device == packed.device else packed.to(table.device)
+    table[table_packed[2 * total : 3 * total], table_packed[:total]] = out_cache_loc.to(table.device, table.dtype)
+    packed = packed if packed.device == dev else packed.to(dev)
+    fields = packed[3 * total :].view(4, bs)
     return ForwardBatch(
         forward_mode=mode,
-        batch_size=len(items),
-        input_ids=input_ids,
-        positions=positions,
-        req_pool_indices=torch.tensor([it.req_row for it in items], dtype=torch.int64, device=dev),
-        seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev),
-        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=dev),
-        extend_seq_lens=torch.tensor(extend, dtype=torch.int64, device=dev),
+        batch_size=bs,
+        input_ids=packed[total : 2 * total],
+        positions=packed[:total],
+        req_pool_indices=fields[0],
+        seq_lens=fields[1],
+        extend_prefix_lens=fields[2],
+        extend_seq_lens=fields[3],
         out_cache_loc=out_cache_loc,
         seq_lens_cpu=seq,
         extend_prefix_lens_cpu=prefix,
