@@ -14,11 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator
-from sglite.srt.layers.utils import bind_tp_group, check_full_shape, divide, resolve_tp_group
+from sglite.srt.layers.utils import bind_tp_group, check_full_shape, divide, new_weight_matrix, resolve_tp_group
 
 
 def _new_param(shape: Sequence[int], dtype: Optional[torch.dtype]) -> nn.Parameter:
-    return nn.Parameter(torch.empty(tuple(shape), dtype=dtype or torch.get_default_dtype()), requires_grad=False)
+    dtype = dtype or torch.get_default_dtype()
+    if len(shape) == 2:
+        return nn.Parameter(new_weight_matrix(shape[0], shape[1], dtype), requires_grad=False)
+    return nn.Parameter(torch.empty(tuple(shape), dtype=dtype), requires_grad=False)
 
 
 def _init_weight_and_bias(

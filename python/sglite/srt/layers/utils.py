@@ -30,6 +30,24 @@ def bind_tp_group(layer: nn.Module, group: Optional[GroupCoordinator]) -> None:
     layer.tp_rank = layer.tp_group.rank_in_group
 
 
+def new_weight_matrix(out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised ``[out, in]`` weight for ``F.linear``, laid out for the current default device.
+
+    On CPU it is stored column-major (the transpose of a contiguous ``[in, out]`` tensor): ``F.linear``
+    then multiplies ``x @ W^T`` with a row-major right operand, which MKL/oneDNN run 1.3-2x faster at
+    decode batch sizes (the row-major layout makes them repack W on every call). Shape, values and
+    loaders are unchanged; elsewhere (CUDA, meta) the usual row-major layout.
+    """
+    if column_major_weights():
+        return torch.empty(in_features, out_features, dtype=dtype).t()
+    return torch.empty(out_features, in_features, dtype=dtype)
+
+
+def column_major_weights() -> bool:
+    """Whether weight matrices built now are stored column-major (CPU default device; see new_weight_matrix)."""
+    return torch.get_default_device().type == "cpu"
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     """Exact integer division; a remainder is a clear error naming the quantity."""
     if numerator % denominator != 0:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator
-from sglite.srt.layers.utils import bind_tp_group, check_full_shape
+from sglite.srt.layers.utils import bind_tp_group, check_full_shape, column_major_weights, new_weight_matrix
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -75,6 +75,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         tp_group: Optional[GroupCoordinator] = None,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype, tp_group)
+        if column_major_weights():
+            # Applied with F.linear, never looked up: take the layout linear layers use (utils.new_weight_matrix).
+            self.weight = nn.Parameter(
+                new_weight_matrix(self.num_embeddings_per_partition, embedding_dim, self.weight.dtype),
+                requires_grad=False,
+            )
+            self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype), requires_grad=False
