@@ -67,3 +67,28 @@ def test_dflash_package_benchmark_client_body_is_served(server, target_greedy_te
     )
     assert out["choices"][0]["message"]["content"] == target_greedy_text
     assert out["meta_info"]["spec_verify_ct"] >= 1 and out["meta_info"]["spec_accept_length"] > 1.0
+
+
+@pytest.mark.timeout(180)
+def test_chat_logprobs_are_the_targets_own(server):
+    """logprobs=true on a DFLASH server: one entry per completion token, equal to the target's teacher-forced
+    log-softmax in transformers (accepted drafts and bonus tokens alike)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused")
+    resp = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+        extra_body={"return_meta_info": True},
+    )
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    assert resp.model_extra["meta_info"]["spec_accept_length"] > 1.0  # several tokens per verify step
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"]
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=len(content), do_sample=False)[0, len(prompt):]
+        logits = model(greedy.new_tensor([prompt + greedy.tolist()])).logits[0, len(prompt) - 1 : -1]
+    ref = torch.log_softmax(logits.float(), dim=-1).gather(1, greedy[:, None]).squeeze(1).tolist()
+    assert [c.token for c in content] == [tok.decode([t]) for t in greedy.tolist()]
+    assert [c.logprob for c in content] == pytest.approx(ref, abs=1e-3)

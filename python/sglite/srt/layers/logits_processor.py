@@ -32,6 +32,15 @@ class LogitsProcessorOutput:
     aux_hidden_states: Optional[torch.Tensor] = None
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log p(token) under the model's own distribution (raw logits, before sampling transforms), as vLLM reports it.
+
+    ``logits`` ``[..., vocab]`` and ``token_ids`` ``[...]``; returns fp32 ``[...]``.
+    """
+    ids = token_ids.to(logits.device, torch.int64).unsqueeze(-1)
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids).squeeze(-1)
+
+
 def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
     """Index of each request's last new token in the flattened [T] token axis."""
     return torch.cumsum(forward_batch.extend_seq_lens, dim=0) - 1

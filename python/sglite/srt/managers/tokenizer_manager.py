@@ -154,14 +154,6 @@ class TokenizerManager:
             input_ids = self.tokenizer.encode(input_text)
         if not input_ids:
             raise RequestValidationError("the prompt is empty (0 tokens)", "prompt")
-        if obj.return_logprob and getattr(self.server_args, "speculative_algorithm", None):
-            # The speculative workers return no logprobs; refusing here beats an abort after queueing.
-            raise RequestValidationError(
-                f"return_logprob is not supported with speculative decoding "
-                f"(--speculative-algorithm {self.server_args.speculative_algorithm}); "
-                "start the server without speculation to get logprobs",
-                "return_logprob",
-            )
         sp_dict = dict(obj.sampling_params or {})  # type: ignore[arg-type]
         try:
             params = SamplingParams.from_dict(sp_dict)

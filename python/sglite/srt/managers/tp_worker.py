@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from sglite.srt.layers.logits_processor import token_logprobs
 from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.srt.server_args import ServerArgs
@@ -70,8 +71,7 @@ class TpModelWorker:
         next_ids = runner.sample(logits, self._sampling_info(batch))
         if batch.return_logprob:
             # The model's own distribution (raw logits, before temperature / top-k / top-p), as vLLM reports it.
-            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, next_ids.view(-1, 1).to(logits.device))
-            batch.next_token_logprobs = [[float(x)] for x in logprobs.view(-1).tolist()]
+            batch.next_token_logprobs = [[float(x)] for x in token_logprobs(logits, next_ids.view(-1)).tolist()]
         return [[int(t)] for t in next_ids.tolist()]
 
     @property

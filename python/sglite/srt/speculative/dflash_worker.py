@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from sglite.srt.layers.logits_processor import LogitsProcessorOutput
+from sglite.srt.layers.logits_processor import LogitsProcessorOutput, token_logprobs
 from sglite.srt.layers.sampler import Sampler, mixed_seed
 from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -78,6 +78,9 @@ class DFlashWorker:
     """Runs target + block-diffusion draft; implements ``forward_prefill`` / ``forward_decode``."""
 
     is_speculative = True
+    # Every returned token has the target's own logits row (the verify forward scores the whole
+    # block), so its logprob is exact, not the draft's.
+    supports_logprobs = True
 
     def __init__(
         self,
@@ -160,6 +163,8 @@ class DFlashWorker:
         self._write_context(out, fb.positions, fb.out_cache_loc)
         info = self._sampling_info(batch)
         next_ids = self.target_runner.sample(out.next_token_logits, info)
+        if batch.return_logprob:
+            batch.next_token_logprobs = [[float(x)] for x in token_logprobs(out.next_token_logits, next_ids).tolist()]
         return [[int(t)] for t in next_ids.tolist()]
 
     @torch.no_grad()
@@ -198,6 +203,8 @@ class DFlashWorker:
         out: list[list[int]] = []
         for i, n in enumerate(result.accept_lens.tolist()):
             out.append(block_ids[i, 1 : 1 + n].tolist() + [int(result.bonus_ids[i])])
+        if batch.return_logprob:
+            batch.next_token_logprobs = self._returned_token_logprobs(verify_out.next_token_logits, out, bs, block)
         return out
 
     @property
@@ -243,6 +250,21 @@ class DFlashWorker:
         if row_mask is not None:
             aux = aux[row_mask]
         self.draft_model.write_context_kv(aux, positions, slots, self.draft_runner.token_to_kv_pool)
+
+    @staticmethod
+    def _returned_token_logprobs(
+        verify_logits: torch.Tensor, returned: list[list[int]], bs: int, block: int
+    ) -> list[list[float]]:
+        """Per request, log p of each returned token under the target's verify row that predicted it.
+
+        Returned token j (accepted drafts, then the bonus) is scored by block row j, the target's
+        distribution given the block's first j inputs.
+        """
+        ids = torch.zeros(bs, block, dtype=torch.int64)
+        for i, toks in enumerate(returned):
+            ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
+        lps = token_logprobs(verify_logits.reshape(bs, block, -1), ids).tolist()
+        return [row[: len(toks)] for row, toks in zip(lps, returned)]
 
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
         return SamplingBatchInfo.from_sampling_params(

@@ -179,15 +179,14 @@ async def test_rid_clash_is_rejected_before_sending(tm_and_sched):
     task.cancel()
 
 
-def test_return_logprob_refused_only_with_speculation(tm_and_sched):
+def test_return_logprob_reaches_the_scheduler_with_and_without_speculation(tm_and_sched):
     tm, _ = tm_and_sched
     [t] = tm.tokenize_request(GenerateReqInput(input_ids=[5, 6], return_logprob=True))
     assert t.return_logprob is True
-    tm.server_args.speculative_algorithm = "DFLASH"
-    with pytest.raises(RequestValidationError, match="speculative decoding") as ei:
-        tm.tokenize_request(GenerateReqInput(input_ids=[5, 6], return_logprob=True))
-    assert ei.value.param == "return_logprob"
-    [plain] = tm.tokenize_request(GenerateReqInput(input_ids=[5, 6]))  # no logprobs asked: still served
+    tm.server_args.speculative_algorithm = "DFLASH"  # the DFLASH worker scores every returned token too
+    [spec] = tm.tokenize_request(GenerateReqInput(input_ids=[5, 6], return_logprob=True))
+    assert spec.return_logprob is True
+    [plain] = tm.tokenize_request(GenerateReqInput(input_ids=[5, 6]))
     assert plain.return_logprob is False
 
 

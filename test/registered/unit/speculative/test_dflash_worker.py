@@ -458,3 +458,31 @@ def test_retraction_under_kv_pressure_stays_lossless(trained):
     # Drafting still works after re-prefill (trained trajectories keep accepting several tokens per step).
     decode_tokens = sum(len(run.ids[f"r{i}"]) for i in range(len(prompts)))
     assert decode_tokens / sum(run.verify_ct.values()) > 1.4
+
+
+def test_logprobs_of_accepted_tokens_equal_the_targets_own(trained):
+    """return_logprob on a DFLASH worker: every returned token (accepted drafts and bonus) carries log p under
+    the target (raw logits), equal to transformers' teacher-forced log-softmax of the same sequence."""
+    target_dir, tr, target, draft = trained
+    prompts = [tr.prompts[0], tr.prompts[2]]
+    params = [greedy(20), SamplingParams(max_new_tokens=20, temperature=0.8, seed=7)]
+    ids: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    with spec_scheduler(target_dir, tr.draft_dir) as (sched, _):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            sched.add_request(TokenizedGenerateReqInput(
+                rid=f"lp{i}", input_text=None, input_ids=list(p), sampling_params=sp, stream=True, return_logprob=True))
+        while sched.has_work():
+            for msg in sched.step():
+                for j, rid in enumerate(msg.rids):
+                    ids.setdefault(rid, []).extend(msg.output_ids[j])
+                    lps.setdefault(rid, []).extend(msg.output_token_logprobs[j])
+        verify_ct = sched.spec_verify_total
+    assert verify_ct < sum(len(v) for v in ids.values())  # drafts were accepted, so blocks returned several tokens
+    for i, p in enumerate(prompts):
+        out = ids[f"lp{i}"]
+        assert len(out) == 20 and len(lps[f"lp{i}"]) == 20
+        with torch.no_grad():
+            logits = target(torch.tensor([list(p) + out])).logits[0, len(p) - 1 : -1].float()
+        ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(lps[f"lp{i}"]), ref, atol=1e-4, rtol=0)
