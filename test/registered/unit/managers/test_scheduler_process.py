@@ -25,6 +25,7 @@ from sglite.srt.managers.io_struct import (
 from sglite.srt.managers.scheduler import run_scheduler_process
 from sglite.srt.sampling.sampling_params import SamplingParams
 from sglite.srt.server_args import ServerArgs
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
@@ -49,6 +50,7 @@ def test_scheduler_process_end_to_end(tmp_path):
             hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
             for p in PROMPTS
         ]
+    assert_clear_greedy_margins(hf, PROMPTS, expected)  # exact equality below needs no near-ties
     args = ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=2).validate()
     port_args = PortArgs.create(args)
     ctx = zmq.Context()
@@ -123,6 +125,7 @@ def test_scheduler_process_tp2_lockstep(tmp_path):
             hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
             for p in PROMPTS
         ]
+    assert_clear_greedy_margins(hf, PROMPTS, expected)  # exact equality below needs no near-ties
     args = ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=2, tp_size=2).validate()
     port_args = PortArgs.create(args)
     ctx = zmq.Context()

@@ -11,6 +11,7 @@ from sglite.srt.managers.scheduler import Scheduler, SchedulerConfig
 from sglite.srt.managers.tp_worker import TpModelWorker
 from sglite.srt.sampling.sampling_params import SamplingParams
 from sglite.srt.server_args import ServerArgs
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
@@ -36,6 +37,8 @@ def tiny(tmp_path_factory):
         for i, p in enumerate(PROMPTS):
             ids = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
             expected[i] = ids[0, len(p) :].tolist()
+    # Tokens are compared exactly, which is CPU-independent only without near-ties (see greedy_margin).
+    assert_clear_greedy_margins(hf, PROMPTS, [expected[i] for i in range(len(PROMPTS))])
     return d, expected
 
 

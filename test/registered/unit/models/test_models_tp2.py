@@ -6,6 +6,7 @@ import torch
 from sglite.srt.distributed.local_launch import run_local_ranks
 from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.server_args import ServerArgs
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
 from sglite.testing.runner_generate import greedy_generate
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
@@ -39,10 +40,13 @@ def _rank_main(rank: int, world_size: int, init_method: str, model_dir: str) -> 
 
 
 def _hf_greedy(hf, prompts, n):
-    return [
+    out = [
         hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p) :].tolist()
         for p in prompts
     ]
+    # Tokens are compared exactly, which is CPU-independent only without near-ties (see greedy_margin).
+    assert_clear_greedy_margins(hf, prompts, out)
+    return out
 
 
 @pytest.mark.timeout(180)

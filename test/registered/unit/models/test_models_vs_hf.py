@@ -8,6 +8,7 @@ import torch
 from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.model_executor.model_runner import ModelRunner
 from sglite.srt.server_args import ServerArgs
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
 from sglite.testing.runner_generate import greedy_generate
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
@@ -38,6 +39,8 @@ def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
     for p in prompts:
         ids = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
         out.append(ids[0, len(p) :].tolist())
+    # Tokens are compared exactly, which is CPU-independent only without near-ties (see greedy_margin).
+    assert_clear_greedy_margins(hf, prompts, out)
     return out
 
 
