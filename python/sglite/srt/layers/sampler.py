@@ -31,6 +31,7 @@ class Sampler(nn.Module):
         super().__init__()
         # Unseeded rows draw from this generator; seeding it makes a whole run reproducible.
         self._generators: dict[str, torch.Generator] = {}
+        self._scratch_generators: dict[str, torch.Generator] = {}
         self._seed = seed
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -67,20 +68,39 @@ class Sampler(nn.Module):
         return probs_sort, probs_idx
 
     def sample_from_probs(self, probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """One filtered sample per row (seeded rows use their own generator)."""
+        """One filtered sample per row (seeded rows use their own generator).
+
+        Rows without top-k / top-p / min-p race over the vocabulary in token order, so a batch that needs
+        no filtering never sorts the vocabulary; rows that filter race over their sorted, filtered
+        probabilities. Which order a row uses depends only on its own parameters, so a seeded row draws
+        the same token whatever shares its batch.
+        """
+        noise = self._exponential_noise(probs.shape, info, probs.device)
+        if not (info.need_top_k or info.need_top_p or info.need_min_p):
+            return torch.argmax(probs / noise, dim=-1)
         probs_sort, probs_idx = self.filtered_probs(probs, info)
-        noise = self._exponential_noise(probs_sort.shape, info, probs.device)
         choice = torch.argmax(probs_sort / noise, dim=-1, keepdim=True)
-        return torch.gather(probs_idx, 1, choice).squeeze(1)
+        filtered = torch.gather(probs_idx, 1, choice).squeeze(1)
+        unfiltered_rows = (info.top_ks >= probs.shape[-1]) & (info.top_ps >= 1.0) & (info.min_ps <= 0.0)
+        return torch.where(unfiltered_rows, torch.argmax(probs / noise, dim=-1), filtered)
 
     def _exponential_noise(
         self, shape: torch.Size, info: SamplingBatchInfo, device: torch.device
     ) -> torch.Tensor:
         noise = torch.empty(shape, dtype=torch.float32, device=device)
         noise.exponential_(generator=self._generator(device))
-        for row, (seed, offset) in enumerate(zip(info.seeds, info.seed_offsets)):
-            if seed is not None:
-                gen = torch.Generator(device=device).manual_seed(mixed_seed(seed, offset))
+        seeded = [(row, seed, offset) for row, (seed, offset) in enumerate(zip(info.seeds, info.seed_offsets)) if seed is not None]
+        if seeded:
+            # One scratch generator re-seeded per row (same stream as a fresh one, without building one per row).
+            gen = self._scratch_generator(device)
+            for row, seed, offset in seeded:
+                gen.manual_seed(mixed_seed(seed, offset))
                 noise[row].exponential_(generator=gen)
         # Exp(1) draws are > 0 almost surely; guard the measure-zero 0 so p / E stays finite.
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _scratch_generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._scratch_generators:
+            self._scratch_generators[key] = torch.Generator(device=device)
+        return self._scratch_generators[key]
