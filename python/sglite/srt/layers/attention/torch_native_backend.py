@@ -7,6 +7,7 @@ backends are tested against it, and it is itself tested against dense attention 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -84,25 +85,20 @@ class _BatchGroup:
     """Requests attended together in one padded call: index arrays and masks built once per forward."""
 
     def __init__(self, spans: RequestSpans, members: list[int], rows: torch.Tensor, req_to_token: torch.Tensor) -> None:
-        device = req_to_token.device
+        self.device = req_to_token.device
         self.members = members
-        prefix_list = [spans.prefix_lens[i] for i in members]
-        lens = [spans.extend_lens[i] for i in members]
+        self.prefix_list = [spans.prefix_lens[i] for i in members]
+        self.extend_list = lens = [spans.extend_lens[i] for i in members]
         seq_list = [spans.seq_lens[i] for i in members]
-        prefix = torch.tensor(prefix_list, device=device)
-        extend = torch.tensor(lens, device=device)
-        seq = prefix + extend
-        bs = len(members)
+        self.bs = len(members)
         self.max_q = max(lens)
-        self.max_s = max_s = max(seq_list)
+        self.max_s = max(seq_list)
         # Every key slot of the padded table is a real key (equal lengths): no validity mask needed.
-        self.all_keys_valid = min(seq_list) == max_s
-        k_pos = torch.arange(max_s, device=device)
-        self.kv_valid = k_pos[None, :] < seq[:, None]  # [bs, S]
+        self.all_keys_valid = min(seq_list) == self.max_s
         # Padded key slots read slot 0 (reserved, never a request's); the mask drops them. Flat, so each
         # layer gathers K and V with one index_select (far cheaper than advanced indexing on CPU).
         member_rows = rows if len(members) == rows.numel() else rows[members]
-        slots = req_to_token[member_rows, :max_s].long()
+        slots = req_to_token[member_rows, : self.max_s].long()
         if not self.all_keys_valid:
             slots = slots.masked_fill_(~self.kv_valid, 0)
         self.kv_index = slots.reshape(-1)
@@ -117,17 +113,39 @@ class _BatchGroup:
             self.token_slice = slice(first, first + self.max_q * len(members))
         else:
             # Query token t of member b sits at padded row b * max_q + i; q_src[t] is its packed index.
-            q_starts = torch.tensor([spans.q_starts[i] for i in members], device=device)
-            self.q_src = ragged_arange(q_starts, extend)
-            self.q_dst = ragged_arange(torch.arange(len(members), device=device) * self.max_q, extend)
-        self.bs = bs
-        q_i = torch.arange(self.max_q, device=device)
-        self.q_valid = q_i[None, :] < extend[:, None]  # [bs, Q]
-        self.q_pos = (prefix[:, None] + q_i[None, :])[:, :, None]  # [bs, Q, 1]
-        self.k_pos = k_pos[None, None, :]  # [1, 1, S]
+            q_starts = torch.tensor([spans.q_starts[i] for i in members], device=self.device)
+            self.q_src = ragged_arange(q_starts, self._extend)
+            self.q_dst = ragged_arange(torch.arange(len(members), device=self.device) * self.max_q, self._extend)
         # The largest query position: a sliding window no query can exceed masks nothing.
-        self.max_q_pos = max(p + n - 1 for p, n in zip(prefix_list, lens))
+        self.max_q_pos = max(p + n - 1 for p, n in zip(self.prefix_list, lens))
         self._masks: dict[tuple[bool, Optional[int], int], Optional[torch.Tensor]] = {}
+
+    # Position tensors, built only when a mask needs them (an equal-length decode batch never does).
+    @cached_property
+    def _extend(self) -> torch.Tensor:
+        return torch.tensor(self.extend_list, device=self.device)
+
+    @cached_property
+    def k_pos(self) -> torch.Tensor:
+        """Key positions ``[1, 1, S]``."""
+        return torch.arange(self.max_s, device=self.device)[None, None, :]
+
+    @cached_property
+    def kv_valid(self) -> torch.Tensor:
+        """Boolean ``[bs, S]``: which padded key slots are real keys."""
+        seq = torch.tensor([p + n for p, n in zip(self.prefix_list, self.extend_list)], device=self.device)
+        return self.k_pos[0] < seq[:, None]
+
+    @cached_property
+    def q_valid(self) -> torch.Tensor:
+        """Boolean ``[bs, Q]``: which padded query rows are real queries."""
+        return torch.arange(self.max_q, device=self.device)[None, :] < self._extend[:, None]
+
+    @cached_property
+    def q_pos(self) -> torch.Tensor:
+        """Query positions ``[bs, Q, 1]``."""
+        prefix = torch.tensor(self.prefix_list, device=self.device)
+        return (prefix[:, None] + torch.arange(self.max_q, device=self.device)[None, :])[:, :, None]
 
     def mask(self, causal: bool, sliding_window: Optional[int], group: int = 1) -> Optional[torch.Tensor]:
         """Boolean ``[bs, 1, group * Q, S]`` (cached): valid keys of each padded query; None = every key.
