@@ -31,6 +31,7 @@ class TpModelWorker:
         self.context_len = int(plan.context_len)
         self.vocab_size = int(model_runner.model_config.vocab_size)
         self.device = torch.device(model_runner.device)
+        self._last_sampling: tuple[list[Any], Optional[SamplingBatchInfo]] = ([], None)
 
     @classmethod
     def create(
@@ -56,11 +57,21 @@ class TpModelWorker:
         return dataclasses.asdict(self.model_runner.memory_pool_config)
 
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
-        # Seeded requests mix their generated-token count into the seed: fresh noise per step,
-        # reproducible whatever shares the batch.
-        return SamplingBatchInfo.from_sampling_params(
-            batch.sampling_params, self.vocab_size, device=self.device, seed_offsets=[len(r.output_ids) for r in batch.reqs]
-        )
+        params = batch.sampling_params
+        if any(p.seed is not None for p in params):
+            # Seeded requests mix their generated-token count into the seed: fresh noise per step,
+            # reproducible whatever shares the batch.
+            return SamplingBatchInfo.from_sampling_params(
+                params, self.vocab_size, device=self.device, seed_offsets=[len(r.output_ids) for r in batch.reqs]
+            )
+        # Unseeded rows depend on nothing but their params: consecutive decode steps over the same
+        # requests reuse one SamplingBatchInfo instead of rebuilding its tensors every step.
+        cached_params, cached_info = self._last_sampling
+        if len(cached_params) == len(params) and all(a is b for a, b in zip(cached_params, params)):
+            return cached_info
+        info = SamplingBatchInfo.from_sampling_params(params, self.vocab_size, device=self.device)
+        self._last_sampling = (params, info)
+        return info
 
     @torch.no_grad()
     def _forward_and_sample(self, batch: ScheduleBatch) -> list[list[int]]:
