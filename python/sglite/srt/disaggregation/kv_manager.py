@@ -80,6 +80,7 @@ class _RoomEndpoint(abc.ABC):
         self._rooms: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._threads: list[threading.Thread] = []  # background loops that use the sockets
 
     def error(self, room: int) -> str:
         """Why a room failed."""
@@ -93,8 +94,15 @@ class _RoomEndpoint(abc.ABC):
             self._rooms.pop(room, None)
 
     def close(self) -> None:
-        """Stop receiving and close every socket."""
+        """Stop receiving, let the background loops finish, then close every socket."""
         self._closed = True
+        # zmq sockets are not thread-safe: closing the PULL socket while the receive loop polls it
+        # (or a PUSH socket mid-send) crashes libzmq, so the loops (<= one 200 ms poll) end first.
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=30)
+                if t.is_alive():
+                    raise RuntimeError(f"{t.name} did not stop within 30 s; its sockets were left open")
         self._pull.close(linger=0)
         for s in self._push.values():
             s.close(linger=0)
@@ -251,8 +259,8 @@ class DecodeKVManager(_RoomEndpoint):
         self._notify = f"tcp://{host}:{self._zmq_port}"
         self._peer_checked: dict[str, float] = {}  # prefill /health URL -> last probe time
         self._peer_down_since: dict[str, float] = {}  # prefill /health URL -> first failed probe
-        self._thread = threading.Thread(target=self._recv_loop, name="pd-decode-recv", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._recv_loop, name="pd-decode-recv", daemon=True)]
+        self._threads[0].start()
 
     def start(self, room: int, bootstrap_host: str, bootstrap_port: int, dst_slots: Sequence[int]) -> None:
         """Ask the paired prefill rank for a room's KV, to be written at dst_slots."""
