@@ -73,7 +73,10 @@ class TpModelWorker:
         self._last_sampling = (params, info)
         return info
 
-    @torch.no_grad()
+    # inference_mode, not just no_grad: no version counters or view tracking on the forward's tensors
+    # (~150 us per decode step of the default model on CPU). Nothing made here is modified in place
+    # afterwards: only token ids and logprob floats leave; pools and tables were allocated outside.
+    @torch.inference_mode()
     def _forward_and_sample(self, batch: ScheduleBatch) -> list[list[int]]:
         runner = self.model_runner
         fb = batch.to_forward_batch(runner.token_to_kv_pool, runner.attn_backend)
@@ -90,7 +93,7 @@ class TpModelWorker:
         """The attention-DP peers whose forwards must stay in lockstep with ours (None without DP attention)."""
         return self.model_runner.dp_peer_group
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as _forward_and_sample: every forward of this worker runs in one mode
     def forward_idle(self) -> None:
         """DP attention: take part in the other groups' forward with no tokens of our own."""
         self.model_runner.forward_idle()
