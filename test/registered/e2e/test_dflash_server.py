@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sglite.launch_server import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
 
 from conftest import ServerProcess
 
@@ -38,6 +39,8 @@ def target_greedy_text():
     ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+    # The text is compared exactly, which is CPU-independent only without near-ties (see greedy_margin).
+    assert_clear_greedy_margins(model, [ids[0].tolist()], [out[0, ids.shape[1]:].tolist()])
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import CHILD_ENV
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
 
 SUITE = "e2e-cpu"
 EST_TIME = 90
@@ -33,6 +34,7 @@ def test_dflash_tp2_engine_greedy_and_meta(tmp_path):
             gen = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
             g = gen[0, len(p):].tolist()
             refs.append(g[: g.index(EOS) + 1] if EOS in g else g)
+    assert_clear_greedy_margins(hf, prompts, refs)  # exact equality below needs no near-ties (greedy_margin)
     os.environ.update(CHILD_ENV)
     engine = sglite.Engine(model_path=target, speculative_algorithm="DFLASH", speculative_draft_model_path=draft,
                            device="cpu", cpu_kv_cache_budget_mb=4, tp_size=2)

@@ -15,6 +15,7 @@ import torch
 
 from conftest import API_KEY, CHILD_ENV, ServerProcess
 from sglite.testing.bad_requests import malformed_requests
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
 
 SUITE = "e2e-cpu"
 EST_TIME = 150
@@ -44,7 +45,10 @@ def hf_greedy(hf_model, prompt_ids, max_new_tokens):
             eos_token_id=EOS, pad_token_id=EOS,
         )
     gen = out[0, len(prompt_ids):].tolist()
-    return gen[: gen.index(EOS) + 1] if EOS in gen else gen
+    gen = gen[: gen.index(EOS) + 1] if EOS in gen else gen
+    # Tokens are compared exactly, which is CPU-independent only without near-ties (see greedy_margin).
+    assert_clear_greedy_margins(hf_model, [prompt_ids], [gen])
+    return gen
 
 
 def chat_ids(tok, messages):
@@ -241,6 +245,7 @@ def test_64_streams_16_cancelled_slots_return(server, hf_model):
         for i in done[:4]:
             ref = hf_model.generate(torch.tensor([prompts[i]]), max_new_tokens=24, do_sample=False,
                                     eos_token_id=None, pad_token_id=EOS)[0, 3:].tolist()
+            assert_clear_greedy_margins(hf_model, [prompts[i]], [ref])  # exact equality needs no near-ties (greedy_margin)
             assert results[i]["output_ids"] == ref
     assert flush_and_free_slots(server) == initial
     front = httpx.get(server.base + "/get_server_info", headers=server.headers).json()["front_end"]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import CHILD_ENV, ServerProcess
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
 
 SUITE = "e2e-cpu"
 EST_TIME = 220
@@ -45,6 +46,7 @@ def pair(tmp_path_factory):
             gen = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
             g = gen[0, len(p):].tolist()
             refs.append(g[: g.index(EOS) + 1] if EOS in g else g)
+    assert_clear_greedy_margins(hf, PROMPTS, refs)  # exact equality later needs no near-ties (greedy_margin)
     return target, draft, refs
 
 

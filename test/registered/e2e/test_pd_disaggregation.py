@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import CHILD_ENV, SERVER_FLAGS, free_port
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
 
 SUITE = "e2e-cpu"
 EST_TIME = 120
@@ -180,7 +181,10 @@ def hf_greedy(hf, prompt_ids, max_new_tokens):
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos)
     gen = out[0, len(prompt_ids):].tolist()
-    return gen[: gen.index(eos) + 1] if eos is not None and eos in gen else gen
+    gen = gen[: gen.index(eos) + 1] if eos is not None and eos in gen else gen
+    # Tokens are compared exactly, which is CPU-independent only without near-ties (see greedy_margin).
+    assert_clear_greedy_margins(model, [prompt_ids], [gen])
+    return gen
 
 
 def generate(base, ids, **extra):
