@@ -138,11 +138,14 @@ def build_forward_batch(
     if out_cache_loc is None:
         if allocator is None:
             raise ValueError("build_forward_batch needs an allocator or an explicit out_cache_loc")
-        # One gather for every request's last cached slot (0 where there is no prefix).
-        row_t = torch.tensor(rows, dtype=torch.int64, device=table.device)
-        pre_t = torch.tensor(prefix, dtype=torch.int64, device=table.device)
-        last_t = table[row_t, (pre_t - 1).clamp_min(0)].to(torch.int64)
-        last_locs = torch.where(pre_t > 0, last_t, torch.zeros_like(last_t)).tolist()
+        if getattr(allocator, "page_size", None) == 1:
+            last_locs = [0] * bs  # no page tails to fill: the allocator never reads them
+        else:
+            # One gather for every request's last cached slot (0 where there is no prefix).
+            row_t = torch.tensor(rows, dtype=torch.int64, device=table.device)
+            pre_t = torch.tensor(prefix, dtype=torch.int64, device=table.device)
+            last_t = table[row_t, (pre_t - 1).clamp_min(0)].to(torch.int64)
+            last_locs = torch.where(pre_t > 0, last_t, torch.zeros_like(last_t)).tolist()
         out_cache_loc = allocator.alloc_extend(prefix, seq, last_locs)
         if out_cache_loc is None:
             raise RuntimeError(
