@@ -118,6 +118,9 @@ class _BatchGroup:
             self.q_dst = ragged_arange(torch.arange(len(members), device=self.device) * self.max_q, self._extend)
         # The largest query position: a sliding window no query can exceed masks nothing.
         self.max_q_pos = max(p + n - 1 for p, n in zip(self.prefix_list, lens))
+        # Equal-length prompts with no cached prefix: the causal mask is SDPA's own ``is_causal`` (queries
+        # and keys start together), which its CPU kernel runs faster than an explicit mask.
+        self.plain_causal_ok = self.token_slice is not None and self.all_keys_valid and max(self.prefix_list) == 0
         self._masks: dict[tuple[bool, Optional[int], int], Optional[torch.Tensor]] = {}
 
     # Position tensors, built only when a mask needs them (an equal-length decode batch never does).
@@ -220,11 +223,16 @@ def batched_attention(
     else:
         qp = q3.new_zeros((bs * max_q, num_heads, head_dim), dtype=torch.float32)
         qp[group.q_dst] = q3[group.q_src].float()
-    # [bs, Q, Hkv, G, D] -> [bs, Hkv, G*Q, D] (a view when Q == 1)
-    qp = qp.view(bs, max_q, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(bs, kv_heads, g * max_q, head_dim)
     k = k_buf.index_select(0, group.kv_index).view(bs, max_s, kv_heads, -1).transpose(1, 2).float()
     v = v_buf.index_select(0, group.kv_index).view(bs, max_s, kv_heads, -1).transpose(1, 2).float()
-    mask = group.mask(causal, layer.sliding_window, g)
+    window = layer.sliding_window
+    if causal and max_q > 1 and group.plain_causal_ok and (window is None or group.max_q_pos < window):
+        qh = qp.view(bs, max_q, num_heads, head_dim).transpose(1, 2)  # [bs, H, Q, D]
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=layer.scaling, enable_gqa=g > 1)
+        return o.transpose(1, 2).reshape(bs * max_q, num_heads, o.shape[-1])
+    # [bs, Q, Hkv, G, D] -> [bs, Hkv, G*Q, D] (a view when Q == 1)
+    qp = qp.view(bs, max_q, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(bs, kv_heads, g * max_q, head_dim)
+    mask = group.mask(causal, window, g)
     o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=layer.scaling)  # [bs, Hkv, G*Q, Dv]
     dv = o.shape[-1]
     o = o.view(bs, kv_heads, g, max_q, dv).permute(0, 3, 1, 2, 4).reshape(bs * max_q, num_heads, dv)

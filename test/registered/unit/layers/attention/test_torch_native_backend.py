@@ -148,3 +148,17 @@ def test_fp8_kv_pool_matches_dense_on_the_stored_values():
     case.dense_k = [k.to(fp8).float() for k in case.dense_k]
     case.dense_v = [v.to(fp8).float() for v in case.dense_v]
     torch.testing.assert_close(out, dense_reference(case, causal=True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40, 5])
+@pytest.mark.parametrize("group", [1, 3])
+def test_fresh_equal_prompts_take_sdpa_causal_and_equal_dense(sliding_window, group):
+    """Equal prompts with no prefix use SDPA's is_causal (a window shorter than the prompt needs the mask)."""
+    case = build_case(
+        ForwardMode.EXTEND, [0, 0, 0], [9, 9, 9], page_size=16, num_kv_heads=2, group=group, head_dim=16,
+        sliding_window=sliding_window, seed=7,
+    )
+    backend = TorchNativeAttnBackend()
+    out = run_backend(backend, case)
+    assert [g.plain_causal_ok for g in backend._groups] == [True]
+    torch.testing.assert_close(out, dense_reference(case, causal=True), atol=1e-5, rtol=1e-5)
