@@ -228,6 +228,20 @@ def build_tiny_dspark_draft(
 
 
 @torch.no_grad()
+def _check_margins(logits: torch.Tensor, min_margin: float, what: str) -> None:
+    """Each row's top-1 logit leads its runner-up by >= min_margin (no-op for min_margin <= 0)."""
+    if min_margin <= 0 or logits.shape[0] == 0:
+        return
+    top2 = logits.float().topk(2, dim=-1).values
+    gaps = top2[:, 0] - top2[:, 1]
+    if float(gaps.min()) < min_margin:
+        pos = int(gaps.argmin())
+        raise AssertionError(
+            f"{what}, block position {pos}: top-1/top-2 logit margin {float(gaps[pos]):.3g} < {min_margin:g}, "
+            "a near-tie that CPU rounding can flip; choose another prompt or seed"
+        )
+
+
 def reference_block_generate(
     draft,
     target,
@@ -235,6 +249,7 @@ def reference_block_generate(
     max_new_tokens: int,
     stop_token_ids: Optional[list[int]] = None,
     block_size: Optional[int] = None,
+    min_margin: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """Greedy `dflash_generate` loop re-run with the package's classes, always verifying full blocks.
 
@@ -242,6 +257,11 @@ def reference_block_generate(
     return per-step lengths on CPU; this re-run keeps every block at B (as a serving engine does,
     truncating output to the budget) and returns (generated ids, tokens committed per verify step).
     Tests check it against `dflash_generate` itself.
+
+    With ``min_margin`` > 0 every argmax that decides the output or an acceptance length (the
+    first token, each step's committed target tokens, its accepted drafts and first rejected draft)
+    must lead its runner-up logit by that much, or an AssertionError names the step: below it, another
+    implementation's (or CPU's) rounding may pick the other token (see sglite.testing.greedy_margin).
     """
     from dflash.model import _crop_to, _draft_value, _make_cache, _output_head, _raw_input_embeddings, extract_context_feature
 
@@ -252,6 +272,7 @@ def reference_block_generate(
     tcache, dcache = _make_cache(target.config), _make_cache(draft.config)
     out = target(ids, position_ids=torch.arange(n_in)[None], past_key_values=tcache, use_cache=True, output_hidden_states=True)
     tokens = list(input_ids) + [int(out.logits[0, -1].argmax())]
+    _check_margins(out.logits[0, -1:], min_margin, "first token (target)")
     hidden = extract_context_feature(out.hidden_states, draft.target_layer_ids)
     stops = set(stop_token_ids or [])
     lengths: list[int] = []
@@ -269,10 +290,13 @@ def reference_block_generate(
             use_cache=True,
         )[:, 1:]
         _crop_to(dcache, start)
-        blk[0, 1:] = draft.compute_logits(dh, _output_head(target))[0].argmax(-1)
+        draft_logits = draft.compute_logits(dh, _output_head(target))[0]
+        blk[0, 1:] = draft_logits.argmax(-1)
         vo = target(blk, position_ids=torch.arange(start, start + block)[None], past_key_values=tcache, use_cache=True, output_hidden_states=True)
         post = vo.logits[0].argmax(-1)
         acc = int((blk[0, 1:] == post[:-1]).to(torch.int64).cumprod(0).sum())
+        _check_margins(draft_logits[: acc + 1], min_margin, f"verify step {len(lengths)} (draft)")
+        _check_margins(vo.logits[0, : acc + 1], min_margin, f"verify step {len(lengths)} (target)")
         new = blk[0, 1 : 1 + acc].tolist() + [int(post[acc])]
         new = new[: max_new_tokens - (len(tokens) - n_in)]
         for i, t in enumerate(new):

@@ -18,18 +18,24 @@ from sglite.srt.sampling.sampling_params import SamplingParams
 from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.srt.server_args import ServerArgs
 from sglite.srt.speculative.dflash_worker import create_dflash_worker
+from sglite.testing.greedy_margin import MIN_GREEDY_MARGIN, assert_clear_greedy_margins
 from sglite.testing.tiny_dflash import (
     build_tiny_target,
     load_reference_pair,
     random_prompts,
-    reference_block_generate,
     train_tiny_draft,
 )
+from sglite.testing.tiny_dflash import reference_block_generate as _reference_block_generate
 
 SUITE = "unit-cpu"
 EST_TIME = 90
 
 BLOCK = 4
+
+
+def reference_block_generate(*args, **kw):
+    """The package's loop re-run, refusing near-ties: ids and per-step lengths are compared exactly."""
+    return _reference_block_generate(*args, min_margin=MIN_GREEDY_MARGIN, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +131,10 @@ def target_greedy(target, prompt, max_new):
     if max_new == 0:
         return []
     out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    ids = out[0, len(prompt):].tolist()
+    # Tokens are compared exactly, which is CPU-independent only without near-ties (see greedy_margin).
+    assert_clear_greedy_margins(target, [prompt], [ids])
+    return ids
 
 
 def test_reference_rerun_equals_dflash_generate(trained):
