@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
+
 SUITE = "unit-cpu"
 EST_TIME = 15
 
@@ -82,6 +84,7 @@ def test_dflash_reference_greedy_equals_target_greedy():
     ref_out = ref[0, ids.shape[1]:].tolist()
     if tok.eos_token_id in ref_out:
         ref_out = ref_out[: ref_out.index(tok.eos_token_id) + 1]
+    assert_clear_greedy_margins(target, [ids[0].tolist()], [ref_out])  # exact equality needs no near-ties
     assert spec[0, ids.shape[1]:].tolist() == ref_out
 
 
