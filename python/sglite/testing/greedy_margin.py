@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-# Twice the 1e-4 logits tolerance the models-vs-transformers tests assert: with both sides within
+# Twice the 1e-4 logits tolerance (floor) the models-vs-transformers tests assert: with both sides within
 # 1e-4 of each other, a margin above this cannot be overturned. (Observed gaps are ~1e-5.)
 MIN_GREEDY_MARGIN = 2e-4
 
