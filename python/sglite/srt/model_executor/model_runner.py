@@ -1,7 +1,8 @@
 """ModelRunner: one model on one rank, with its KV pools and attention backend (DESIGN.md §3).
 
 Target start-up order: init_parallel_runtime → measure memory → load weights → resolve the draft's
-aux hidden-state / KV price → size the pools → allocate pools → attention backend. A draft runner
+aux hidden-state / KV price → size the pools → allocate pools → attention backend → CUDA graphs
+(CUDA only, ``cuda_graph_runner.py``). A draft runner
 (``is_draft=True``) reuses the target's groups, pool plan, slot allocator and req→token table and
 builds only its own KV pool, of its own geometry, at the target's ``max_total_num_tokens``.
 """
@@ -31,6 +32,7 @@ from sglite.srt.model_executor.forward_batch_info import (
     build_forward_batch,
     idle_forward_batch,
 )
+from sglite.srt.model_executor.cuda_graph_runner import CudaGraphRunner, build_cuda_graph_runners
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import resolve_spec_aux_hidden_state
 from sglite.srt.model_loader.loader import load_model, resolve_dtype
 from sglite.srt.runtime_context import get_parallel
@@ -136,12 +138,13 @@ class ModelRunner:
         self.req_to_token_pool = pools.req_to_token_pool
         self.token_to_kv_pool_allocator = pools.token_to_kv_pool_allocator
 
-        # 6. Attention backend (CUDA graphs: not yet).
+        # 6. Attention backend, then CUDA graphs (decode / DFLASH verify / draft block; none off CUDA).
         backend_name = server_args.resolved_attention_backend()
         if is_draft and server_args.speculative_draft_attention_backend:
             backend_name = server_args.speculative_draft_attention_backend
         self.attn_backend = create_attention_backend(backend_name, self)
         self.sampler = Sampler(seed=server_args.random_seed)
+        self.cuda_graph_runners: list[CudaGraphRunner] = build_cuda_graph_runners(self)
 
     # ------------------------------------------------------------------ start-up helpers
     def _resolve_device(self) -> torch.device:
@@ -210,6 +213,9 @@ class ModelRunner:
             forward_batch.attn_backend = self.attn_backend
         if forward_batch.token_to_kv_pool is not self.token_to_kv_pool:
             raise ValueError("forward_batch.token_to_kv_pool is another runner's pool (target vs draft mix-up)")
+        for graph_runner in self.cuda_graph_runners:
+            if graph_runner.can_run(forward_batch):
+                return graph_runner.replay(forward_batch)
         forward_batch.attn_backend.init_forward_metadata(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
