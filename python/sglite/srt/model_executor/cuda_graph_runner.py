@@ -7,11 +7,11 @@ real batch into those buffers, pads it up to the bucket (pad request = req_to_to
 row; pad tokens write K/V only at slot 0, the allocator's reserved padding slot, and see a valid
 sequence of ``tokens_per_req`` keys there), runs the graph and returns the real rows of its outputs.
 
-The outputs are views of the graph's output tensors: they stay valid until the next replay of the
-same bucket (every graph of every runner replays on one stream, so that is the next forward of that
-shape). Captured graphs read nothing but the static buffers and the attention backend's persistent
-metadata buffers; the backend refreshes the latter in ``init_forward_metadata_replay_cuda_graph``
-outside the graph, never with a host sync inside it.
+The outputs are views of the runner's one set of output buffers (every bucket's graph ends by copying
+its outputs there): they stay valid until this runner's next replay. Captured graphs read nothing
+but the static buffers and the attention backend's persistent metadata buffers; the backend
+refreshes the latter in ``init_forward_metadata_replay_cuda_graph`` outside the graph, never with a
+host sync inside it.
 
 Graph execution sits behind a two-method object (``capture(fn) -> outputs``, ``replay()``):
 ``CudaGraph`` wraps ``torch.cuda.CUDAGraph`` (warm-up runs, one shared memory pool); the CPU test
@@ -362,6 +362,7 @@ class CudaGraphRunner:
         self.outputs: dict[int, LogitsProcessorOutput] = {}
         self.static_batches: dict[int, ForwardBatch] = {}
         self.num_replays = 0  # forwards served by a graph (tests and logs)
+        self._out_bufs: Optional[dict[str, torch.Tensor]] = None  # shared by every bucket's graph
         self.capture(show_progress)
 
     def _check_executor(self, graph_factory: GraphFactory) -> None:
@@ -426,7 +427,7 @@ class CudaGraphRunner:
             graph = self.graph_factory()
 
             def run(fb: ForwardBatch = fb) -> LogitsProcessorOutput:
-                return model.forward(fb.input_ids, fb.positions, fb)
+                return self._into_static_outputs(model.forward(fb.input_ids, fb.positions, fb), fb.batch_size)
 
             self.outputs[bs] = graph.capture(run)
             self.graphs[bs] = graph
@@ -438,6 +439,36 @@ class CudaGraphRunner:
                 len(sizes), self.mode.name, self.tokens_per_req, list(self.batch_sizes),
                 time.perf_counter() - t0, used / (1 << 30),
             )
+
+    def _into_static_outputs(self, out: LogitsProcessorOutput, bs: int) -> LogitsProcessorOutput:
+        """Copy a forward's outputs into this runner's one set of output buffers; returns views of them.
+
+        Every bucket writes the same buffers, so a runner holds one largest-bucket output (with a big
+        vocabulary, verify logits are ``bs * B`` fp32 rows) instead of one per bucket; a replay's
+        outputs stay valid until this runner's next replay.
+        """
+        n = bs * self.tokens_per_req
+        rows = n if self.mode.returns_all_token_logits() else bs
+        fields = {"next_token_logits": rows, "hidden_states": rows, "aux_hidden_states": n}
+        if self._out_bufs is None:
+            # Largest bucket first: its shapes size the buffers, outside any capture (CUDA: a warm-up run).
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("CUDA graph output buffers must be allocated by a warm-up run, not during capture")
+            if bs != self.max_bs:
+                raise RuntimeError(f"the first captured batch must be the largest ({self.max_bs}), got {bs}")
+            self._out_bufs = {
+                name: t.new_empty(t.shape) for name in fields if (t := getattr(out, name)) is not None
+            }
+        views = {}
+        for name, k in fields.items():
+            t = getattr(out, name)
+            buf = self._out_bufs.get(name)
+            if (t is None) != (buf is None) or (t is not None and (t.shape[0] != k or t.shape[1:] != buf.shape[1:])):
+                raise RuntimeError(f"graph output {name} has shape {None if t is None else tuple(t.shape)}; expected {k} rows")
+            if t is not None:
+                views[name] = buf[:k]
+                views[name].copy_(t)
+        return dataclasses.replace(out, **views)
 
     # ------------------------------------------------------------------ replay
     def can_run(self, forward_batch: ForwardBatch) -> bool:
@@ -458,7 +489,7 @@ class CudaGraphRunner:
         return all(int(n) == self.tokens_per_req for n in fb.extend_seq_lens_cpu)
 
     def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        """Copy the batch in, pad to its bucket, replay, and return the real rows (views of the graph outputs)."""
+        """Copy the batch in, pad to its bucket, replay, and return the real rows (views of the output buffers)."""
         fb, s = forward_batch, self.inputs
         bs = fb.batch_size
         padded_bs = bucket_for(bs, self.batch_sizes)

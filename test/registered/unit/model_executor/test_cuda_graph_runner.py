@@ -221,6 +221,8 @@ def test_decode_graph_equals_eager_with_padding(pair_dirs, one_rank_scope):
         tokens = graphed.next_token_logits.argmax(-1).tolist()
         seq = [s + 1 for s in seq]
     assert graphs.graphs[4].num_replays == 3
+    # Every bucket's graph writes one set of output buffers (one largest-bucket logits tensor per runner).
+    assert len({graphs.outputs[b].next_token_logits.data_ptr() for b in BUCKETS}) == 1
     # One request runs in the bucket of one, and the same graph runner keeps serving both buckets.
     fb1 = runner.build_forward_batch(ForwardMode.DECODE, [(rows[0], seq[0], [tokens[0]])])
     torch.testing.assert_close(graphs.replay(fb1).next_token_logits, runner.forward(fb1).next_token_logits, atol=1e-5, rtol=1e-5)
