@@ -26,7 +26,6 @@ from sglite.srt.model_executor.cuda_graph_runner import (
 )
 from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.model_executor.model_runner import ModelRunner
-from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.srt.server_args import ServerArgs
 from sglite.testing.greedy_margin import assert_clear_greedy_margins
 from sglite.testing.tiny_dflash import TINY_MASK_TOKEN_ID, TinyDraftSpec, build_tiny_dflash_draft, build_tiny_target
@@ -61,16 +60,6 @@ def _args(target_dir, draft_dir=None, backend="triton", **kw):
         base.update(speculative_algorithm="DFLASH", speculative_draft_model_path=draft_dir)
     base.update(kw)
     return ServerArgs(**base).validate()
-
-
-@pytest.fixture()
-def one_rank_scope():
-    torch.set_num_threads(1)
-    with scoped(parallel=ParallelState(tp_size=1)):
-        try:
-            yield
-        finally:
-            destroy_parallel_runtime()
 
 
 def _kv_snapshot(pool):
@@ -176,7 +165,7 @@ def test_plan_cuda_graphs(pair_dirs):
         CudaGraphSpec(ForwardMode.EXTEND, 1, (1,))
 
 
-def test_cpu_runner_builds_no_graphs_and_torch_native_cannot_be_captured(pair_dirs, one_rank_scope, caplog):
+def test_cpu_runner_builds_no_graphs_and_torch_native_cannot_be_captured(pair_dirs, rank0, caplog):
     from sglite.srt.model_executor import cuda_graph_runner
 
     target_dir, _ = pair_dirs
@@ -194,7 +183,7 @@ def test_cpu_runner_builds_no_graphs_and_torch_native_cannot_be_captured(pair_di
 
 # ---------------------------------------------------------------------- graph runner vs eager forward
 @needs_triton
-def test_decode_graph_equals_eager_with_padding(pair_dirs, one_rank_scope):
+def test_decode_graph_equals_eager_with_padding(pair_dirs, rank0):
     target_dir, _ = pair_dirs
     runner = ModelRunner(_args(target_dir))
     assert runner.cuda_graph_runners == []  # CPU: ModelRunner never builds graphs itself
@@ -229,7 +218,7 @@ def test_decode_graph_equals_eager_with_padding(pair_dirs, one_rank_scope):
 
 
 @needs_triton
-def test_can_run_rejects_what_no_graph_fits(pair_dirs, one_rank_scope):
+def test_can_run_rejects_what_no_graph_fits(pair_dirs, rank0):
     target_dir, _ = pair_dirs
     runner = ModelRunner(_args(target_dir, max_running_requests=16))
     graphs = CudaGraphRunner(runner, CudaGraphSpec(ForwardMode.DECODE, 1, (1, 2)), graph_factory=EagerReplayGraph)
@@ -249,7 +238,7 @@ def test_can_run_rejects_what_no_graph_fits(pair_dirs, one_rank_scope):
 
 
 @needs_triton
-def test_dflash_verify_and_draft_block_graphs_equal_eager(pair_dirs, one_rank_scope):
+def test_dflash_verify_and_draft_block_graphs_equal_eager(pair_dirs, rank0):
     target_dir, draft_dir = pair_dirs
     args = _args(target_dir, draft_dir)
     target = ModelRunner(args)
@@ -300,7 +289,7 @@ def test_dflash_verify_and_draft_block_graphs_equal_eager(pair_dirs, one_rank_sc
 
 # ---------------------------------------------------------------------- wired into ModelRunner / DFlashWorker
 @needs_triton
-def test_model_runner_forward_uses_its_graph_runner(pair_dirs, one_rank_scope):
+def test_model_runner_forward_uses_its_graph_runner(pair_dirs, rank0):
     """Greedy decoding through ModelRunner.forward with a (double) graph runner attached equals transformers."""
     from sglite.testing.runner_generate import greedy_generate, hf_greedy
     from sglite.testing.tiny_models import load_hf_model
@@ -317,7 +306,7 @@ def test_model_runner_forward_uses_its_graph_runner(pair_dirs, one_rank_scope):
 
 
 @needs_triton
-def test_dflash_worker_through_graph_runners_is_lossless(pair_dirs, one_rank_scope):
+def test_dflash_worker_through_graph_runners_is_lossless(pair_dirs, rank0):
     """DFLASH greedy with verify and draft-block forwards served by (double) graph runners equals target greedy."""
     from sglite.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglite.srt.managers.scheduler import Scheduler
