@@ -143,3 +143,11 @@ def test_top_p_one_rows_keep_the_whole_vocab_next_to_top_p_rows():
     kept, _ = Sampler().filtered_probs(probs, info)
     assert int((kept[0] > 0).sum()) == int((probs[0] > 0).sum())
     assert int((kept[1] > 0).sum()) < int((probs[1] > 0).sum())
+
+
+def test_greedy_ties_pick_the_first_index_like_argmax():
+    """row_argmax (max().indices, faster on CPU) keeps torch.argmax's first-index rule on ties."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 3, (64, 40), generator=gen).float()  # many tied maxima per row
+    info = SamplingBatchInfo.from_sampling_params([SamplingParams(temperature=0.0)] * 64, 40)
+    assert torch.equal(Sampler()(logits, info), torch.argmax(logits, dim=-1))
