@@ -70,3 +70,20 @@ def hf_greedy(hf_model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: i
         gen = hf_model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
         out.append(gen[0, len(p) :].tolist())
     return out
+
+
+def scheduler_greedy_generate(scheduler: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (``ignore_eos``) of every prompt through an in-process Scheduler, in prompt order."""
+    from sglite.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglite.srt.sampling.sampling_params import SamplingParams
+
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+        scheduler.add_request(
+            TokenizedGenerateReqInput(rid=f"r{i}", input_text=None, input_ids=list(p), sampling_params=params)
+        )
+    ids: dict[str, list[int]] = {}
+    for msg in scheduler.run_until_idle():
+        for j, rid in enumerate(msg.rids):
+            ids.setdefault(rid, []).extend(msg.output_ids[j])
+    return [ids.get(f"r{i}", []) for i in range(len(prompts))]

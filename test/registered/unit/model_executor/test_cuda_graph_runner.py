@@ -308,11 +308,9 @@ def test_model_runner_forward_uses_its_graph_runner(pair_dirs, rank0):
 @needs_triton
 def test_dflash_worker_through_graph_runners_is_lossless(pair_dirs, rank0):
     """DFLASH greedy with verify and draft-block forwards served by (double) graph runners equals target greedy."""
-    from sglite.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglite.srt.managers.scheduler import Scheduler
-    from sglite.srt.sampling.sampling_params import SamplingParams
     from sglite.srt.speculative.dflash_worker import create_dflash_worker
-    from sglite.testing.runner_generate import hf_greedy
+    from sglite.testing.runner_generate import hf_greedy, scheduler_greedy_generate
     from sglite.testing.tiny_models import load_hf_model
 
     target_dir, draft_dir = pair_dirs
@@ -324,17 +322,10 @@ def test_dflash_worker_through_graph_runners_is_lossless(pair_dirs, rank0):
     verify = CudaGraphRunner(target, CudaGraphSpec(ForwardMode.TARGET_VERIFY, BLOCK, sizes, layers), graph_factory=EagerReplayGraph)
     block = CudaGraphRunner(draft, CudaGraphSpec(ForwardMode.DRAFT_BLOCK, BLOCK, sizes), graph_factory=EagerReplayGraph)
     target.cuda_graph_runners, draft.cuda_graph_runners = [verify], [block]
-    sched = Scheduler(args, worker)
     prompts = PROMPTS  # bs 3: bucket 4
-    for i, p in enumerate(prompts):
-        params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
-        sched.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_text=None, input_ids=p, sampling_params=params))
-    ids: dict[str, list[int]] = {}
-    for msg in sched.run_until_idle():
-        for j, rid in enumerate(msg.rids):
-            ids.setdefault(rid, []).extend(msg.output_ids[j])
+    got = scheduler_greedy_generate(Scheduler(args, worker), prompts, 5)
     hf = load_hf_model(target_dir)
     expected = hf_greedy(hf, prompts, 5)
     assert_clear_greedy_margins(hf, prompts, expected)
-    assert [ids[f"r{i}"] for i in range(len(prompts))] == expected
+    assert got == expected
     assert verify.num_replays > 0 and block.num_replays == verify.num_replays

@@ -12,15 +12,13 @@ import pytest
 import torch
 
 from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
-from sglite.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglite.srt.managers.scheduler import Scheduler
 from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.model_executor.model_runner import ModelRunner
 from sglite.srt.runtime_context import ParallelState, scoped
-from sglite.srt.sampling.sampling_params import SamplingParams
 from sglite.srt.server_args import ServerArgs
 from sglite.testing.greedy_margin import assert_clear_greedy_margins
-from sglite.testing.runner_generate import greedy_generate, hf_greedy
+from sglite.testing.runner_generate import greedy_generate, hf_greedy, scheduler_greedy_generate
 from sglite.testing.tiny_dflash import TINY_MASK_TOKEN_ID, build_tiny_target
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
@@ -145,15 +143,7 @@ def test_dflash_greedy_with_graphs_equals_without(tmp_path, monkeypatch):
                     assert (block.mode, block.tokens_per_req) == (ForwardMode.DRAFT_BLOCK, BLOCK)
                 else:
                     assert worker.target_runner.cuda_graph_runners == worker.draft_runner.cuda_graph_runners == []
-                sched = Scheduler(args, worker)
-                for i, p in enumerate(prompts):
-                    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
-                    sched.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_text=None, input_ids=p, sampling_params=params))
-                ids: dict[str, list[int]] = {}
-                for msg in sched.run_until_idle():
-                    for j, rid in enumerate(msg.rids):
-                        ids.setdefault(rid, []).extend(msg.output_ids[j])
-                got[graphs] = [ids[f"r{i}"] for i in range(len(prompts))]
+                got[graphs] = scheduler_greedy_generate(Scheduler(args, worker), prompts, 20)
                 if graphs:
                     assert verify.num_replays > 0 and block.num_replays == verify.num_replays
             finally:
