@@ -58,6 +58,18 @@ class ServerProcess:
         with open(self.log_path) as f:
             return f.read()
 
+    def watch_health_until_exit(self, timeout_s: float, poll_s: float = 0.1) -> bool:
+        """Poll /health until the server process exits or ``timeout_s`` passes; whether it ever said 503."""
+        deadline = time.monotonic() + timeout_s
+        saw_503 = False
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                saw_503 |= httpx.get(self.base + "/health", timeout=2).status_code == 503
+            except httpx.HTTPError:
+                pass
+            time.sleep(poll_s)
+        return saw_503
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

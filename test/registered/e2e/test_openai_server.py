@@ -342,14 +342,7 @@ def test_dead_scheduler_fails_health_and_exits(server):
     """Last: kill the scheduler; /health turns 503 and the server exits non-zero, naming the process."""
     pids = httpx.get(server.base + "/get_server_info", headers=server.headers).json()["process_pids"]
     os.kill(pids["scheduler rank 0"], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    saw_503 = False
-    while time.monotonic() < deadline and server.proc.poll() is None:
-        try:
-            saw_503 |= httpx.get(server.base + "/health", timeout=2).status_code == 503
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    server.watch_health_until_exit(30)
     assert server.proc.wait(30) == 1
     out = server.output()
     assert "scheduler rank 0" in out and "exited unexpectedly" in out

@@ -11,7 +11,6 @@ the DP-attention HTTP server makes /health 503 and the server exit with a messag
 import json
 import os
 import signal
-import time
 
 import httpx
 import pytest
@@ -149,14 +148,7 @@ def test_dead_rank_makes_server_unhealthy_and_exit(dp_attention_server):
     info = httpx.get(s.base + "/get_server_info", headers=s.headers, timeout=30).json()
     victim = info["process_pids"]["scheduler rank 1 (dp_rank 1)"]
     os.kill(victim, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    saw_503 = False
-    while time.monotonic() < deadline and s.proc.poll() is None:
-        try:
-            saw_503 |= httpx.get(s.base + "/health", timeout=2).status_code == 503
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    saw_503 = s.watch_health_until_exit(60, poll_s=0.2)
     assert s.proc.poll() is not None, "the server kept running with a dead scheduler rank"
     assert s.proc.returncode != 0
     log = s.output()
