@@ -273,8 +273,8 @@ class Scheduler:
         """DP attention: whether any attention-DP group has work this iteration (one small all-gather)."""
         if self.dp_peer_group is None:
             return self.has_work()
-        busy = self.has_work() and not self._only_waiting_on_transfers()
-        self._any_group_busy = any(self.dp_peer_group.all_gather_object(busy))
+        # PD is refused with DP attention, so there are no KV transfers to wait on here.
+        self._any_group_busy = any(self.dp_peer_group.all_gather_object(self.has_work()))
         return self._any_group_busy
 
     def has_work(self) -> bool:
