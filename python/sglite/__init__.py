@@ -1,6 +1,8 @@
 """sglite: an SGLang-style LLM serving engine for DFLASH/DSPARK speculative decoding."""
 
-__version__ = "0.1.0"
+from sglite.version import __version__
+
+__all__ = ["Engine", "__version__"]
 
 
 def __getattr__(name):

@@ -18,7 +18,7 @@ from sglite.srt.managers.io_struct import GenerateReqInput
 
 def resolve_model_dir(model_path: Optional[str], prog: str) -> str:
     """The model directory to benchmark (default: the embedded model); exit 2 naming the flag if absent."""
-    from sglite.launch_server import DEFAULT_MODEL_DIR
+    from sglite.srt.default_model import DEFAULT_MODEL_DIR
 
     path = model_path or DEFAULT_MODEL_DIR
     if not os.path.isfile(os.path.join(path, "config.json")):

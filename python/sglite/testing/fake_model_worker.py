@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglite.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -50,8 +51,8 @@ def reference_generate(
     return out
 
 
-class FakeModelWorker:
-    """Implements the scheduler's ModelWorker protocol over a fake KV pool (CPU, no model)."""
+class FakeModelWorker(BaseModelWorker):
+    """A BaseModelWorker over a fake KV pool (CPU, no model, no runners)."""
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ import openai
 import pytest
 import torch
 
-from sglite.launch_server import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR
+from sglite.srt.default_model import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR
 from sglite.testing.greedy_margin import assert_clear_greedy_margins
 
 from conftest import ServerProcess

@@ -3,7 +3,7 @@
 import pytest
 
 from sglite.bench_offline import random_prompt_ids, resolve_model_dir
-from sglite.launch_server import DEFAULT_MODEL_DIR
+from sglite.srt.default_model import DEFAULT_MODEL_DIR
 
 SUITE = "unit-cpu"
 EST_TIME = 2

@@ -1,4 +1,4 @@
-"""launch_server: default-model resolution (embedded model + bundled draft), clear errors, CLI exit codes."""
+"""launch_server and srt/default_model: default-model resolution (embedded model + bundled draft), clear errors, CLI exit codes."""
 
 import json
 import subprocess
@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import sglite.launch_server as ls
+import sglite.srt.default_model as dm
 from sglite.srt.server_args import ServerArgs, ServerArgsError
 
 SUITE = "unit-cpu"
@@ -22,31 +23,31 @@ def _fake_ckpt(path, archs):
 @pytest.fixture
 def assets(tmp_path, monkeypatch):
     model, draft = tmp_path / "default_model", tmp_path / "default_draft"
-    monkeypatch.setattr(ls, "DEFAULT_MODEL_DIR", str(model))
-    monkeypatch.setattr(ls, "DEFAULT_DRAFT_DIR", str(draft))
+    monkeypatch.setattr(dm, "DEFAULT_MODEL_DIR", str(model))
+    monkeypatch.setattr(dm, "DEFAULT_DRAFT_DIR", str(draft))
     return model, draft
 
 
 def test_explicit_model_path_is_kept(assets):
     args = ServerArgs(model_path="/some/model")
-    assert ls.resolve_default_model(args) is args
+    assert dm.resolve_default_model(args) is args
 
 
 def test_missing_default_model_is_a_clear_error(assets):
     with pytest.raises(ServerArgsError, match="--model-path"):
-        ls.resolve_default_model(ServerArgs())
+        dm.resolve_default_model(ServerArgs())
 
 
 def test_default_model_without_draft(assets):
     model, _ = assets
     _fake_ckpt(model, ["Qwen3ForCausalLM"])
-    args = ls.resolve_default_model(ServerArgs())
+    args = dm.resolve_default_model(ServerArgs())
     assert args.model_path == str(model) and args.speculative_algorithm is None
     # clients cannot know the install path: the bundled model answers to a fixed name, unless one is given
     assert args.served_model_name == "sglite-default"
-    assert ls.resolve_default_model(ServerArgs(served_model_name="mine")).served_model_name == "mine"
-    assert "embedded default model" in ls.describe_model_choice(ServerArgs(), args)
-    assert "speculative decoding off" in ls.describe_model_choice(ServerArgs(), args)
+    assert dm.resolve_default_model(ServerArgs(served_model_name="mine")).served_model_name == "mine"
+    assert "embedded default model" in dm.describe_model_choice(ServerArgs(), args)
+    assert "speculative decoding off" in dm.describe_model_choice(ServerArgs(), args)
 
 
 @pytest.mark.parametrize("arch, algo", [("DFlashDraftModel", "DFLASH"), ("DSparkDraftModel", "DSPARK")])
@@ -54,9 +55,9 @@ def test_default_model_with_bundled_draft(assets, arch, algo):
     model, draft = assets
     _fake_ckpt(model, ["Qwen3ForCausalLM"])
     _fake_ckpt(draft, [arch])
-    args = ls.resolve_default_model(ServerArgs()).validate()
+    args = dm.resolve_default_model(ServerArgs()).validate()
     assert (args.speculative_algorithm, args.speculative_draft_model_path) == (algo, str(draft))
-    line = ls.describe_model_choice(ServerArgs(), args)
+    line = dm.describe_model_choice(ServerArgs(), args)
     assert algo in line and "bundled default draft" in line
 
 
@@ -64,7 +65,7 @@ def test_explicit_speculative_flags_win_over_bundled_draft(assets):
     model, draft = assets
     _fake_ckpt(model, ["Qwen3ForCausalLM"])
     _fake_ckpt(draft, ["DFlashDraftModel"])
-    args = ls.resolve_default_model(ServerArgs(speculative_algorithm="DSPARK", speculative_draft_model_path="/d"))
+    args = dm.resolve_default_model(ServerArgs(speculative_algorithm="DSPARK", speculative_draft_model_path="/d"))
     assert (args.speculative_algorithm, args.speculative_draft_model_path) == ("DSPARK", "/d")
 
 
@@ -73,7 +74,7 @@ def test_unknown_draft_architecture(assets):
     _fake_ckpt(model, ["Qwen3ForCausalLM"])
     _fake_ckpt(draft, ["LlamaForCausalLM"])
     with pytest.raises(ServerArgsError, match="--speculative-algorithm"):
-        ls.resolve_default_model(ServerArgs())
+        dm.resolve_default_model(ServerArgs())
 
 
 def test_cli_bad_flag_exits_2():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 
 class KVPoll(enum.IntEnum):
@@ -21,6 +21,41 @@ class KVPoll(enum.IntEnum):
     WaitingForInput = 2
     Transferring = 3
     Success = 4
+
+
+class SchedulerDisagg:
+    """The scheduler's PD component. This base is the no-op of a server without --disaggregation-mode;
+    PrefillHandoff and DecodePrealloc override what their role does, so the scheduler never checks for None."""
+
+    def add(self, req: Any) -> bool:
+        """Take a new request (a decode node pre-allocates for it); False: it goes to the waiting queue."""
+        return False
+
+    def hand_off(self, req: Any, first_token: int, first_token_logprob: Optional[float] = None) -> bool:
+        """Take a request whose prompt is prefilled (a prefill node ships its KV); False: it decodes here."""
+        return False
+
+    def step(self) -> None:
+        """Once per scheduler step: advance transfers (finish handed-off prefills, admit arrived KV)."""
+
+    def has_work(self) -> bool:
+        """Whether requests are held here (KV transfers in flight)."""
+        return False
+
+    def live_reqs(self) -> list[Any]:
+        """Every request held here (for aborts and duplicate-id checks)."""
+        return []
+
+    def abort(self, req: Any, reason: dict) -> bool:
+        """End a request held here, freeing what it holds; False if not held here."""
+        return False
+
+    def close(self) -> None:
+        """Stop transfer threads and servers."""
+
+    def state(self) -> dict[str, int]:
+        """Counters for /get_server_info."""
+        return {}
 
 
 class TransferError(RuntimeError):

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from sglite.srt.disaggregation.base import KVPoll
+from sglite.srt.disaggregation.base import KVPoll, SchedulerDisagg
 from sglite.srt.disaggregation.kv_manager import DecodeKVManager
 from sglite.srt.disaggregation.transfer_backend import create_transfer_backend
 from sglite.srt.disaggregation.utils import agree_poll, transferable_kv_buffers
@@ -25,7 +25,7 @@ from sglite.srt.managers.schedule_batch import Req
 logger = logging.getLogger(__name__)
 
 
-class DecodePrealloc:
+class DecodePrealloc(SchedulerDisagg):
     """Pre-allocation and transfer queues in front of the decode scheduler's running batch."""
 
     def __init__(self, scheduler: Any, manager: DecodeKVManager, num_reserved_decode_tokens: int,
@@ -55,14 +55,15 @@ class DecodePrealloc:
         return cls(scheduler, manager, server_args.num_reserved_decode_tokens, tp_group)
 
     # ----------------------------------------------------------------- queue in
-    def add(self, req: Req) -> None:
-        """Queue a request that will be prefilled elsewhere."""
+    def add(self, req: Req) -> bool:
+        """Queue a request that will be prefilled elsewhere (every new request goes here)."""
         if req.bootstrap_room is None or req.bootstrap_host is None:
             self.scheduler._finish_now(req, finish_abort(
                 "this is a decode node (--disaggregation-mode decode): requests need bootstrap_host, "
                 "bootstrap_port and bootstrap_room, sent by a PD router", status_code=400))
-            return
+            return True
         self.prealloc_queue.append(req)
+        return True
 
     def has_work(self) -> bool:
         """Requests waiting for slots or for their KV (or aborted rooms whose slots are not free yet)."""

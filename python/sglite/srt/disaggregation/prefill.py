@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from sglite.srt.disaggregation.base import KVPoll
+from sglite.srt.disaggregation.base import KVPoll, SchedulerDisagg
 from sglite.srt.disaggregation.bootstrap_server import BootstrapServer
 from sglite.srt.disaggregation.kv_manager import PrefillKVManager
 from sglite.srt.disaggregation.transfer_backend import create_transfer_backend
@@ -21,7 +21,7 @@ from sglite.srt.managers.schedule_batch import Req
 logger = logging.getLogger(__name__)
 
 
-class PrefillHandoff:
+class PrefillHandoff(SchedulerDisagg):
     """Turns finished prefills into KV transfers and finishes each request when its transfer ends."""
 
     def __init__(self, scheduler: Any, manager: PrefillKVManager, tp_group: Optional[Any] = None,
@@ -53,13 +53,13 @@ class PrefillHandoff:
         )
         return cls(scheduler, manager, tp_group, server)
 
-    def hand_off(self, req: Req, first_token: int, first_token_logprob: Optional[float] = None) -> None:
+    def hand_off(self, req: Req, first_token: int, first_token_logprob: Optional[float] = None) -> bool:
         """The request's prompt is prefilled: send its KV rows and first token (+ its logprob) to the decode node."""
         if req.bootstrap_room is None:
             self.scheduler._finish_now(req, finish_abort(
                 "this is a prefill node (--disaggregation-mode prefill): requests need bootstrap_room, "
                 "sent by a PD router", status_code=400))
-            return
+            return True
         req.output_ids.append(int(first_token))
         if req.return_logprob:
             if first_token_logprob is None:
@@ -70,6 +70,7 @@ class PrefillHandoff:
                 "first_token_logprob": first_token_logprob}
         self.manager.send(req.bootstrap_room, src.tolist(), int(first_token), meta)
         self.inflight.append(req)
+        return True
 
     def step(self) -> None:
         """One scheduler step: finish requests whose transfer ended."""

@@ -1,185 +1,29 @@
-"""Process launcher and the offline ``sglite.Engine`` (the server's processes without HTTP).
+"""The offline ``sglite.Engine`` (the server's processes without HTTP) and the /get_server_info payload.
 
-``launch_subprocesses`` starts one scheduler process per TP rank and the detokenizer process
-(spawned, each exiting with its parent), waits for every rank's ``SchedulerReady``, and builds the
-``TokenizerManager`` in this process. The HTTP server and the Engine both sit on top of it.
+The processes are started and watched by ``entrypoints/launcher.launch_subprocesses``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
-import logging
-import multiprocessing as mp
-import shutil
-import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, ContextManager, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from sglite.srt.managers.data_parallel_controller import format_rank_report
-from sglite.srt.managers.io_struct import (
-    GenerateReqInput,
-    PortArgs,
-    SchedulerInitError,
-    SchedulerReady,
-)
-from sglite.srt.managers.tokenizer_manager import TokenizerManager, scheduler_info_dict
+from sglite.srt.default_model import resolve_default_model
+from sglite.srt.entrypoints.launcher import LaunchedRuntime, LaunchError, SchedulerEntry, launch_subprocesses
+from sglite.srt.managers.io_struct import GenerateReqInput
+from sglite.srt.managers.tokenizer_manager import scheduler_info_dict
 from sglite.srt.server_args import ServerArgs
+from sglite.version import __version__
 
-logger = logging.getLogger(__name__)
-
-SchedulerEntry = Callable[..., None]
-
-
-class LaunchError(RuntimeError):
-    """A subprocess failed to start; the message says which and why."""
-
-
-@dataclass
-class LaunchedRuntime:
-    """Everything the front end holds after start-up."""
-
-    server_args: ServerArgs
-    port_args: PortArgs
-    tokenizer_manager: TokenizerManager
-    scheduler_info: SchedulerReady  # rank 0's
-    processes: list[tuple[str, Any]]  # (name, multiprocessing.Process)
-    rank_infos: list[SchedulerReady]  # every rank's, in rank order (per-rank memory plans)
-
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the subprocesses (terminate, then kill) and remove the ipc dir."""
-        self.tokenizer_manager.close()
-        for _, proc in self.processes:
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for _, proc in self.processes:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
-        shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
-
-
-def _default_scheduler_entry() -> SchedulerEntry:
-    from sglite.srt.managers.scheduler import run_scheduler_process
-
-    return run_scheduler_process
-
-
-def launch_subprocesses(
-    server_args: ServerArgs,
-    *,
-    scheduler_entry: Optional[SchedulerEntry] = None,
-    startup_timeout_s: float = 600.0,
-) -> LaunchedRuntime:
-    """Start scheduler ranks + detokenizer, wait until ready, return the runtime (raises LaunchError)."""
-    from sglite.srt.managers.detokenizer_manager import load_tokenizer
-
-    entry = scheduler_entry or _default_scheduler_entry()
-    if server_args.dp_size > 1:  # DP replicas or DP attention: a controller in front of the DP groups
-        from sglite.srt.managers.data_parallel_controller import launch_dp_subprocesses
-
-        return launch_dp_subprocesses(server_args, scheduler_entry=entry, startup_timeout_s=startup_timeout_s)
-    port_args = PortArgs.create(server_args)
-    ctx = mp.get_context("spawn")
-    world_size = server_args.tp_size
-    processes: list[tuple[str, Any]] = []
-    readers = []
-    with kill_on_failure(processes, port_args.ipc_dir):
-        for rank in range(world_size):
-            spawn_scheduler_rank(
-                ctx, entry, (server_args, port_args, rank, world_size), f"sglite-scheduler-{rank}",
-                f"scheduler rank {rank}", processes, readers,
-            )
-        detok = spawn_detokenizer(ctx, server_args, port_args, processes)
-        tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
-        infos = [_wait_ready(name, proc, reader, startup_timeout_s) for (name, proc), reader in zip(processes, readers)]
-        if not detok.is_alive():
-            raise LaunchError(f"the detokenizer process exited during start-up with code {detok.exitcode}")
-    for info_r in infos:
-        if info_r.rank_report is not None:
-            logger.info("%s", format_rank_report(info_r.rank_report))
-    info = infos[0]
-    tm = TokenizerManager(server_args, port_args, tokenizer, info, child_processes=processes)
-    return LaunchedRuntime(server_args, port_args, tm, info, processes, infos)
-
-
-def spawn_scheduler_rank(
-    ctx: Any, entry: SchedulerEntry, args: tuple, proc_name: str, label: str,
-    processes: list[tuple[str, Any]], readers: list[Any],
-    start_context: ContextManager[Any] = contextlib.nullcontext(),
-) -> None:
-    """Start one scheduler rank (entry(*args, ready_pipe)); record it as (label, proc) and its pipe's reader.
-
-    ``start_context`` wraps ``proc.start()`` (the DP launcher pins the replica's visible devices there)."""
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=entry, args=(*args, writer), name=proc_name, daemon=True)
-    with start_context:
-        proc.start()
-    writer.close()  # the child holds the only write end: EOF on the reader means it died
-    processes.append((label, proc))
-    readers.append(reader)
-
-
-def spawn_detokenizer(ctx: Any, server_args: ServerArgs, port_args: PortArgs, processes: list[tuple[str, Any]]) -> Any:
-    """Start the detokenizer process and record it as ("detokenizer", proc); returns the process."""
-    from sglite.srt.managers.detokenizer_manager import run_detokenizer_process
-
-    detok = ctx.Process(
-        target=run_detokenizer_process, args=(server_args, port_args), name="sglite-detokenizer", daemon=True
-    )
-    detok.start()
-    processes.append(("detokenizer", detok))
-    return detok
-
-
-def _wait_ready(name: str, proc: Any, reader: Any, timeout_s: float) -> SchedulerReady:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if reader.poll(0.5):
-            try:
-                msg = reader.recv()
-            except EOFError:
-                proc.join(2.0)
-                raise LaunchError(f"{name} closed its pipe during start-up (exit code {proc.exitcode})") from None
-            if isinstance(msg, SchedulerInitError):
-                raise LaunchError(f"{name} failed to start: {msg.message}\n{msg.traceback}")
-            if not isinstance(msg, SchedulerReady):
-                raise LaunchError(f"{name} sent {type(msg).__name__} instead of SchedulerReady")
-            return msg
-        if not proc.is_alive():
-            raise LaunchError(f"{name} exited during start-up with code {proc.exitcode} (see its log above)")
-    raise LaunchError(f"{name} was not ready after {timeout_s:.0f} s")
-
-
-@contextlib.contextmanager
-def kill_on_failure(processes: list[tuple[str, Any]], ipc_dir: str) -> Iterator[None]:
-    """On any failure inside (Ctrl-C included) kill the started processes and remove ipc_dir, then re-raise."""
-    try:
-        yield
-    except BaseException:
-        _kill_all(processes)
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-        raise
-
-
-def _kill_all(processes: list[tuple[str, Any]]) -> None:
-    for _, proc in processes:
-        if proc.is_alive():
-            proc.kill()
-    for _, proc in processes:
-        proc.join(2.0)
+__all__ = ["Engine", "LaunchError", "server_info"]
 
 
 def server_info(runtime: LaunchedRuntime, internal_state: dict[str, Any]) -> dict[str, Any]:
     """The /get_server_info payload: server args, the scheduler's plan, live internal states."""
-    import sglite
-
     return {
         **runtime.server_args.to_dict(),
-        "version": sglite.__version__,
+        "version": __version__,
         "scheduler_info": scheduler_info_dict(runtime.scheduler_info),
         "memory_plan": runtime.scheduler_info.memory_plan,
         "memory_plan_per_rank": [info.memory_plan for info in runtime.rank_infos],
@@ -200,8 +44,6 @@ class Engine:
     """Offline engine: ``Engine(model_path=..., **server_args)``, then generate / generate_stream."""
 
     def __init__(self, model_path: Optional[str] = None, *, scheduler_entry: Optional[SchedulerEntry] = None, **kwargs: Any) -> None:
-        from sglite.launch_server import resolve_default_model
-
         server_args = resolve_default_model(ServerArgs(model_path=model_path, **kwargs)).validate()
         self.server_args = server_args
         self._loop = asyncio.new_event_loop()

@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sglite.srt.entrypoints.engine import LaunchedRuntime, LaunchError, launch_subprocesses, server_info
+from sglite.srt.entrypoints.engine import server_info
+from sglite.srt.entrypoints.launcher import LaunchedRuntime, LaunchError, launch_subprocesses
 from sglite.srt.entrypoints.metrics import ServerMetrics
 from sglite.srt.entrypoints.openai.protocol import AbortRequest, GenerateRequest, error_body
 from sglite.srt.entrypoints.openai.serving_base import (

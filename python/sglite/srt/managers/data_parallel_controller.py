@@ -10,19 +10,17 @@ Either way the controller sees D groups. It owns the one ``scheduler_input`` end
 TokenizerManager pushes to, dispatches each request to one group (round robin or shortest queue),
 routes aborts to the group that owns the request, fans control requests out to every group and
 merges their replies, and forwards every group's outputs to the one detokenizer. Each group pushes
-its outputs to its own controller socket, so a reply is always attributable to its group.
+its outputs to its own controller socket, so a reply is always attributable to its group. It only
+routes: the launcher (``entrypoints/launcher.py``) places the ranks and starts every process.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-import multiprocessing as mp
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from sglite.srt.managers.io_struct import (
     AbortReq,
@@ -34,48 +32,14 @@ from sglite.srt.managers.io_struct import (
     HealthCheckOutput,
     HealthCheckReq,
     PortArgs,
-    SchedulerReady,
     TokenizedGenerateReqInput,
-    free_port,
 )
 from sglite.srt.server_args import LOAD_BALANCE_METHODS, ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-
-# ====================================================================== layout
-@dataclass(frozen=True)
-class RankPlacement:
-    """One scheduler process: its rank inside its torch world, that world, and its DP group."""
-
-    global_rank: int  # 0..dp*tp-1 without DP attention, 0..tp-1 with it (a label for logs and pids)
-    rank: int  # rank inside its torch.distributed world
-    world_size: int
-    dp_rank: int  # the DP group (replica, or attention-DP group) the rank serves
-    is_front: bool  # first rank of its DP group: talks to the controller
-    dist_init_method: str
-
-
-def plan_dp_placements(server_args: ServerArgs, dist_init_methods: list[str]) -> list[RankPlacement]:
-    """Every scheduler process of a DP server, in global-rank order (``dist_init_methods``: one per world)."""
-    tp, dp = server_args.tp_size, server_args.dp_size
-    if server_args.attn_cp_size != 1:
-        raise ValueError("--attn-cp-size > 1 is not supported with --dp-size > 1; set --attn-cp-size 1")
-    if server_args.enable_dp_attention:
-        if len(dist_init_methods) != 1:
-            raise ValueError("DP attention runs one torch world; pass exactly one rendezvous")
-        attn_tp = tp // dp
-        return [
-            RankPlacement(r, r, tp, r // attn_tp, r % attn_tp == 0, dist_init_methods[0]) for r in range(tp)
-        ]
-    if len(dist_init_methods) != dp:
-        raise ValueError(f"{dp} DP replicas need {dp} rendezvous addresses, got {len(dist_init_methods)}")
-    return [
-        RankPlacement(d * tp + r, r, tp, d, r == 0, dist_init_methods[d]) for d in range(dp) for r in range(tp)
-    ]
-
-
+# ====================================================================== endpoints
 @dataclass(frozen=True)
 class DPEndpoints:
     """ZMQ endpoints of the controller: one input and one output endpoint per DP group."""
@@ -90,17 +54,6 @@ class DPEndpoints:
             [f"ipc://{os.path.join(ipc_dir, f'dp{d}_input')}" for d in range(dp_size)],
             [f"ipc://{os.path.join(ipc_dir, f'dp{d}_output')}" for d in range(dp_size)],
         )
-
-
-def group_port_args(port_args: PortArgs, endpoints: DPEndpoints, placement: RankPlacement) -> PortArgs:
-    """The PortArgs a rank's scheduler process sees: its group's controller endpoints and its world's rendezvous."""
-    return dataclasses.replace(
-        port_args,
-        scheduler_input_ipc_name=endpoints.group_input_ipc_names[placement.dp_rank],
-        detokenizer_ipc_name=endpoints.group_output_ipc_names[placement.dp_rank],
-        dist_init_method=placement.dist_init_method,
-        dp_rank=placement.dp_rank,  # the replica index (with DP attention the runtime derives the same value)
-    )
 
 
 # ====================================================================== load balancing
@@ -264,152 +217,3 @@ def run_data_parallel_controller_process(server_args: ServerArgs, port_args: Por
         for d, sock in enumerate(from_groups):
             if sock in ready:
                 controller.handle_output(d, sock.recv_pyobj())
-
-
-# ====================================================================== per-rank report
-def rank_report(worker: Any) -> dict[str, Any]:
-    """This rank's widths, KV heads, cell sizes, capacity, and planned vs allocated pool bytes."""
-    from sglite.srt.runtime_context import get_parallel
-
-    par = get_parallel()
-    plan = worker.memory_plan()
-    target = getattr(worker, "model_runner", None) or worker.target_runner
-    draft = getattr(worker, "draft_runner", None)
-    planned = plan.get("planned_pool_bytes", {})
-    return {
-        "rank": par.rank,
-        "tp_rank": par.tp_rank,
-        "dp_rank": par.dp_rank,
-        "attn_tp_size": par.attn_tp_size,
-        "attn_tp_rank": par.attn_tp_rank,
-        "attn_dp_size": par.attn_dp_size,
-        "attn_dp_rank": par.attn_dp_rank,
-        "target_kv_heads_per_rank": plan.get("target_kv_heads_per_rank"),
-        "draft_kv_heads_per_rank": plan.get("draft_kv_heads_per_rank"),
-        "target_cell_bytes": plan.get("target_cell_bytes"),
-        "draft_cell_bytes": plan.get("draft_cell_bytes"),
-        "max_total_num_tokens": plan.get("max_total_num_tokens"),
-        "planned_pool_bytes": dict(planned),
-        "planned_target_kv_bytes": sum(v for k, v in planned.items() if k.startswith("target_")),
-        "planned_draft_kv_bytes": sum(v for k, v in planned.items() if k.startswith("draft_")),
-        "allocated_target_kv_bytes": int(target.token_to_kv_pool.nbytes()),
-        "allocated_draft_kv_bytes": int(draft.token_to_kv_pool.nbytes()) if draft is not None else 0,
-    }
-
-
-def format_rank_report(report: dict[str, Any]) -> str:
-    """One start-up log line for a rank's report."""
-    return (
-        f"rank {report['rank']} (dp_rank {report['dp_rank']}): attn_tp_size={report['attn_tp_size']} "
-        f"attn_dp_size={report['attn_dp_size']} target_kv_heads={report['target_kv_heads_per_rank']} "
-        f"draft_kv_heads={report['draft_kv_heads_per_rank']} target_cell_bytes={report['target_cell_bytes']} "
-        f"draft_cell_bytes={report['draft_cell_bytes']} max_total_num_tokens={report['max_total_num_tokens']} "
-        f"target_kv planned/allocated={report['planned_target_kv_bytes']}/{report['allocated_target_kv_bytes']} "
-        f"draft_kv planned/allocated={report['planned_draft_kv_bytes']}/{report['allocated_draft_kv_bytes']}"
-    )
-
-
-# ====================================================================== launcher
-def launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callable[..., None],
-                           startup_timeout_s: float = 600.0) -> Any:
-    """Start every DP group's scheduler ranks, the controller and the detokenizer; return a LaunchedRuntime."""
-    from sglite.srt.entrypoints.engine import (
-        LaunchedRuntime,
-        LaunchError,
-        _wait_ready,
-        kill_on_failure,
-        spawn_detokenizer,
-        spawn_scheduler_rank,
-    )
-    from sglite.srt.managers.detokenizer_manager import load_tokenizer
-    from sglite.srt.managers.tokenizer_manager import TokenizerManager
-
-    port_args = PortArgs.create(server_args)
-    n_worlds = 1 if server_args.enable_dp_attention else server_args.dp_size
-    # The first world keeps --dist-init-addr (or the PortArgs port); further replicas get fresh local ports.
-    inits = [port_args.dist_init_method] + [f"tcp://127.0.0.1:{free_port()}" for _ in range(n_worlds - 1)]
-    placements = plan_dp_placements(server_args, inits)
-    endpoints = DPEndpoints.create(port_args.ipc_dir, server_args.dp_size)
-    ctx = mp.get_context("spawn")
-    processes: list[tuple[str, Any]] = []
-    readers = []
-    with kill_on_failure(processes, port_args.ipc_dir):
-        controller = ctx.Process(
-            target=run_data_parallel_controller_process, args=(server_args, port_args, endpoints),
-            name="sglite-dp-controller", daemon=True,
-        )
-        controller.start()
-        processes.append(("data-parallel controller", controller))
-        replica_devices = _replica_cuda_devices(server_args)
-        for pl in placements:
-            spawn_scheduler_rank(
-                ctx, scheduler_entry, (server_args, group_port_args(port_args, endpoints, pl), pl.rank, pl.world_size),
-                f"sglite-scheduler-dp{pl.dp_rank}-rank{pl.global_rank}",
-                f"scheduler rank {pl.global_rank} (dp_rank {pl.dp_rank})", processes, readers,
-                start_context=_visible_devices(replica_devices[pl.dp_rank] if replica_devices else None),
-            )
-        spawn_detokenizer(ctx, server_args, port_args, processes)
-        tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
-        infos = [
-            _wait_ready(name, proc, reader, startup_timeout_s)
-            for (name, proc), reader in zip(processes[1 : 1 + len(placements)], readers)
-        ]
-        for name, proc in processes:
-            if not proc.is_alive():
-                raise LaunchError(f"the {name} process exited during start-up with code {proc.exitcode}")
-    for pl, info in zip(placements, infos):
-        report = getattr(info, "rank_report", None)
-        if report is not None:
-            if report["dp_rank"] != pl.dp_rank:
-                raise LaunchError(f"scheduler rank {pl.global_rank} reports dp_rank {report['dp_rank']}, placed at {pl.dp_rank}")
-            report["global_rank"] = pl.global_rank
-            logger.info("%s", format_rank_report(report))
-    fronts = [info for pl, info in zip(placements, infos) if pl.is_front]
-    # The front end validates requests against the smallest group: any group may get any request.
-    merged = dataclasses.replace(
-        fronts[0],
-        max_total_num_tokens=min(f.max_total_num_tokens for f in fronts),
-        max_running_requests=sum(f.max_running_requests for f in fronts),
-    )
-    tm = TokenizerManager(server_args, port_args, tokenizer, merged, child_processes=processes)
-    return LaunchedRuntime(server_args, port_args, tm, merged, processes, infos)
-
-
-
-def _replica_cuda_devices(server_args: ServerArgs) -> Optional[list[str]]:
-    """CUDA replicas without DP attention: the devices of each replica (its rank r uses the r-th), else None.
-
-    Each replica is its own torch world whose ranks pick ``rank % device_count``; without a per-replica
-    device list every replica's rank 0 would land on the same GPU.
-    """
-    if server_args.enable_dp_attention or server_args.resolved_device() != "cuda":
-        return None
-    import torch
-
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = [d.strip() for d in env.split(",") if d.strip()] if env else [str(i) for i in range(torch.cuda.device_count())]
-    need = server_args.dp_size * server_args.tp_size
-    if len(visible) < need:
-        raise ValueError(
-            f"--dp-size {server_args.dp_size} x --tp-size {server_args.tp_size} needs {need} GPUs but {len(visible)} "
-            "are visible; lower --dp-size / --tp-size or use --enable-dp-attention"
-        )
-    tp = server_args.tp_size
-    return [",".join(visible[d * tp : (d + 1) * tp]) for d in range(server_args.dp_size)]
-
-
-@contextlib.contextmanager
-def _visible_devices(devices: Optional[str]) -> Iterator[None]:
-    """Set CUDA_VISIBLE_DEVICES while a spawned child starts (it copies the environment at start)."""
-    if devices is None:
-        yield
-        return
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = devices
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old

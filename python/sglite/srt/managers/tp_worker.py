@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 import torch
 
 from sglite.srt.layers.logits_processor import token_logprobs
+from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.srt.server_args import ServerArgs
 
 
-class TpModelWorker:
+class TpModelWorker(BaseModelWorker):
     """Wraps one target ModelRunner: prefill = EXTEND, decode = DECODE, one sampled token per request."""
 
     is_speculative = False
@@ -21,14 +21,7 @@ class TpModelWorker:
     supports_logprobs = True
 
     def __init__(self, model_runner: Any) -> None:
-        self.model_runner = model_runner
-        self.req_to_token_pool = model_runner.req_to_token_pool
-        self.token_to_kv_pool_allocator = model_runner.token_to_kv_pool_allocator
-        plan = model_runner.memory_pool_config
-        self.max_total_num_tokens = int(plan.max_total_num_tokens)
-        self.max_running_requests = int(plan.max_running_requests)
-        # The model's context length; the req->token rows are wider (speculative and page slack).
-        self.context_len = int(plan.context_len)
+        self._init_from_target(model_runner)
         self.vocab_size = int(model_runner.model_config.vocab_size)
         self.device = torch.device(model_runner.device)
         self._last_sampling: tuple[list[Any], Optional[SamplingBatchInfo]] = ([], None)
@@ -52,10 +45,6 @@ class TpModelWorker:
             )
         )
 
-    def memory_plan(self) -> dict[str, Any]:
-        """This rank's MemoryPoolConfig as a dict."""
-        return dataclasses.asdict(self.model_runner.memory_pool_config)
-
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
         params = batch.sampling_params
         if any(p.seed is not None for p in params):
@@ -78,7 +67,7 @@ class TpModelWorker:
     # afterwards: only token ids and logprob floats leave; pools and tables were allocated outside.
     @torch.inference_mode()
     def _forward_and_sample(self, batch: ScheduleBatch) -> list[list[int]]:
-        runner = self.model_runner
+        runner = self.target_runner
         fb = batch.to_forward_batch(runner.token_to_kv_pool, runner.attn_backend)
         out = runner.forward(fb)
         logits = out.next_token_logits
@@ -88,15 +77,10 @@ class TpModelWorker:
             batch.next_token_logprobs = [[float(x)] for x in token_logprobs(logits, next_ids.view(-1)).tolist()]
         return [[int(t)] for t in next_ids.tolist()]
 
-    @property
-    def dp_peer_group(self) -> Any:
-        """The attention-DP peers whose forwards must stay in lockstep with ours (None without DP attention)."""
-        return self.model_runner.dp_peer_group
-
     @torch.inference_mode()  # as _forward_and_sample: every forward of this worker runs in one mode
     def forward_idle(self) -> None:
         """DP attention: take part in the other groups' forward with no tokens of our own."""
-        self.model_runner.forward_idle()
+        self.target_runner.forward_idle()
 
     def forward_prefill(self, batch: ScheduleBatch) -> list[list[int]]:
         """EXTEND over each request's new tokens; one sampled token per request."""

@@ -17,7 +17,6 @@ positions ``[P, P+B)``:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -26,6 +25,7 @@ import torch
 
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput, token_logprobs
 from sglite.srt.layers.sampler import Sampler, mixed_seed
+from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -74,7 +74,7 @@ def create_dflash_worker(
     )
 
 
-class DFlashWorker:
+class DFlashWorker(BaseModelWorker):
     """Runs target + block-diffusion draft; implements ``forward_prefill`` / ``forward_decode``."""
 
     is_speculative = True
@@ -92,7 +92,7 @@ class DFlashWorker:
         context_len: Optional[int] = None,
         prefill_only: bool = False,
     ) -> None:
-        self.target_runner = target_runner
+        self._init_from_target(target_runner)
         self.draft_runner = draft_runner
         self.target_model = target_runner.model
         self.draft_model = draft_runner.model
@@ -118,16 +118,11 @@ class DFlashWorker:
         self.capture_layers = list(self.draft_model.target_layer_ids)
         self.vocab_size = int(self.target_model.config.vocab_size)
         self.device = torch.device(getattr(target_runner, "device", "cpu"))
-        # Seam attributes the scheduler reads.
-        self.req_to_token_pool = target_runner.req_to_token_pool
-        self.token_to_kv_pool_allocator = target_runner.token_to_kv_pool_allocator
         if draft_runner.token_to_kv_pool_allocator is not self.token_to_kv_pool_allocator:
             raise ValueError("the draft runner must share the target's slot allocator (slot i = one token in both pools)")
         if draft_runner.req_to_token_pool is not self.req_to_token_pool:
             raise ValueError("the draft runner must share the target's req_to_token pool (one slot row per request)")
         plan = target_runner.memory_pool_config
-        self.max_total_num_tokens = int(plan.max_total_num_tokens)
-        self.max_running_requests = int(plan.max_running_requests)
         # A decode step writes B slots past the K/V length, so rows need B - 1 columns beyond the context.
         row_cols = int(self.req_to_token_pool.req_to_token.shape[1])
         # PD prefill node: no verify block ever runs, so its plan has no verify columns (and no verify scratch).
@@ -146,10 +141,6 @@ class DFlashWorker:
         self.last_step: Optional[DFlashStepStats] = None
 
     # ------------------------------------------------------------------ seam
-    def memory_plan(self) -> dict[str, Any]:
-        """The target runner's MemoryPoolConfig (draft cell included) as a dict."""
-        return dataclasses.asdict(self.target_runner.memory_pool_config)
-
     @torch.no_grad()
     def forward_prefill(self, batch: ScheduleBatch) -> list[list[int]]:
         """Target EXTEND with aux capture, draft context KV at the target's slots, one sampled token each."""
@@ -206,11 +197,6 @@ class DFlashWorker:
         if batch.return_logprob:
             batch.next_token_logprobs = self._returned_token_logprobs(verify_out.next_token_logits, out, bs, block)
         return out
-
-    @property
-    def dp_peer_group(self) -> Any:
-        """The attention-DP peers whose forwards must stay in lockstep with ours (None without DP attention)."""
-        return self.target_runner.dp_peer_group
 
     @torch.no_grad()
     def forward_idle(self) -> None:

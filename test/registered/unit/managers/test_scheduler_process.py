@@ -22,7 +22,7 @@ from sglite.srt.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
-from sglite.srt.managers.scheduler import run_scheduler_process
+from sglite.srt.managers.scheduler_process import run_scheduler_process
 from sglite.srt.sampling.sampling_params import SamplingParams
 from sglite.srt.server_args import ServerArgs
 from sglite.testing.greedy_margin import assert_clear_greedy_margins

@@ -1,0 +1,113 @@
+"""BaseModelWorker: the one interface the scheduler, PD and the launcher use to reach a model worker.
+
+A worker owns a target ``ModelRunner`` (and, under speculation, a draft runner sharing its slot
+allocator and req->token table). The scheduler allocates KV slots and writes them into
+``req_to_token`` before calling ``forward_prefill`` / ``forward_decode``; for decode it allocates
+``num_decode_tokens_per_req`` slots per request (1, or the block size B under speculation). The
+worker returns each request's new token ids (prefill: 1; decode: 1..B, whose K/V it has written at
+the first slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # the launcher imports this module's report helpers in the torch-free front end
+    from sglite.srt.managers.schedule_batch import ScheduleBatch
+
+
+class BaseModelWorker(ABC):
+    """What the scheduler needs from a model worker (TpModelWorker, DFlashWorker, test fakes)."""
+
+    is_speculative: bool = False
+    num_decode_tokens_per_req: int = 1  # slots allocated per request per decode step (1, or B for spec)
+    # True when the worker fills ``batch.next_token_logprobs`` for return_logprob batches.
+    supports_logprobs: bool = False
+    # The runners (ModelRunner); test fakes have none. The draft runner shares the target's pools' slots.
+    target_runner: Optional[Any] = None
+    draft_runner: Optional[Any] = None
+
+    # Seam attributes, read from the target runner and its plan by ``_init_from_target``.
+    req_to_token_pool: Any
+    token_to_kv_pool_allocator: Any
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_len: int
+
+    def _init_from_target(self, target_runner: Any) -> None:
+        """Take the pools and the plan's capacities from the target runner (the plan is their one owner)."""
+        self.target_runner = target_runner
+        self.req_to_token_pool = target_runner.req_to_token_pool
+        self.token_to_kv_pool_allocator = target_runner.token_to_kv_pool_allocator
+        plan = target_runner.memory_pool_config
+        self.max_total_num_tokens = int(plan.max_total_num_tokens)
+        self.max_running_requests = int(plan.max_running_requests)
+        # The model's context length; the req->token rows are wider (speculative and page slack).
+        self.context_len = int(plan.context_len)
+
+    @abstractmethod
+    def forward_prefill(self, batch: "ScheduleBatch") -> list[list[int]]:
+        """Run the prefill; return one sampled token per request (ignored for unfinished chunks)."""
+
+    @abstractmethod
+    def forward_decode(self, batch: "ScheduleBatch") -> list[list[int]]:
+        """Run one decode step; return 1..num_decode_tokens_per_req new tokens per request."""
+
+    def memory_plan(self) -> dict[str, Any]:
+        """This rank's memory plan (the target runner's MemoryPoolConfig, draft cell included) as a dict."""
+        return dataclasses.asdict(self.target_runner.memory_pool_config)
+
+    @property
+    def builds_pools(self) -> bool:
+        """Whether the worker owns real KV pools (test fakes have none)."""
+        return self.target_runner is not None and getattr(self.target_runner, "token_to_kv_pool", None) is not None
+
+    @property
+    def dp_peer_group(self) -> Any:
+        """The attention-DP peers whose forwards must stay in lockstep with ours (None without DP attention)."""
+        return self.target_runner.dp_peer_group if self.target_runner is not None else None
+
+    def forward_idle(self) -> None:
+        """DP attention: take part in the other groups' forward with no tokens of our own."""
+        self.target_runner.forward_idle()
+
+    def rank_report(self) -> dict[str, Any]:
+        """This rank's widths, KV heads, cell sizes, capacity, and planned vs allocated pool bytes."""
+        from sglite.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        plan = self.memory_plan()
+        planned = plan.get("planned_pool_bytes", {})
+        return {
+            "rank": par.rank,
+            "tp_rank": par.tp_rank,
+            "dp_rank": par.dp_rank,
+            "attn_tp_size": par.attn_tp_size,
+            "attn_tp_rank": par.attn_tp_rank,
+            "attn_dp_size": par.attn_dp_size,
+            "attn_dp_rank": par.attn_dp_rank,
+            "target_kv_heads_per_rank": plan.get("target_kv_heads_per_rank"),
+            "draft_kv_heads_per_rank": plan.get("draft_kv_heads_per_rank"),
+            "target_cell_bytes": plan.get("target_cell_bytes"),
+            "draft_cell_bytes": plan.get("draft_cell_bytes"),
+            "max_total_num_tokens": plan.get("max_total_num_tokens"),
+            "planned_pool_bytes": dict(planned),
+            "planned_target_kv_bytes": sum(v for k, v in planned.items() if k.startswith("target_")),
+            "planned_draft_kv_bytes": sum(v for k, v in planned.items() if k.startswith("draft_")),
+            "allocated_target_kv_bytes": int(self.target_runner.token_to_kv_pool.nbytes()),
+            "allocated_draft_kv_bytes": int(self.draft_runner.token_to_kv_pool.nbytes()) if self.draft_runner else 0,
+        }
+
+
+def format_rank_report(report: dict[str, Any]) -> str:
+    """One start-up log line for a rank's report."""
+    return (
+        f"rank {report['rank']} (dp_rank {report['dp_rank']}): attn_tp_size={report['attn_tp_size']} "
+        f"attn_dp_size={report['attn_dp_size']} target_kv_heads={report['target_kv_heads_per_rank']} "
+        f"draft_kv_heads={report['draft_kv_heads_per_rank']} target_cell_bytes={report['target_cell_bytes']} "
+        f"draft_cell_bytes={report['draft_cell_bytes']} max_total_num_tokens={report['max_total_num_tokens']} "
+        f"target_kv planned/allocated={report['planned_target_kv_bytes']}/{report['allocated_target_kv_bytes']} "
+        f"draft_kv planned/allocated={report['planned_draft_kv_bytes']}/{report['allocated_draft_kv_bytes']}"
+    )
