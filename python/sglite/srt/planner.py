@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelConfigError
 from sglite.srt.distributed.bootstrap import simulate_rank
+from sglite.srt.managers.base_model_worker import build_rank_report, format_rank_report
 from sglite.srt.mem_cache.kv_cache_configurator import (
     GiB,
     KVCacheConfigurator,
@@ -163,6 +164,8 @@ class RankReport:
     mamba_state_slots: Optional[int] = None
     planned_total_bytes: int = 0
     memory_pool_config: Optional[MemoryPoolConfig] = field(default=None, repr=False)
+    # The report a serving rank sends (BaseModelWorker.rank_report): the same builder, the same line.
+    rank_report: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of this rank."""
@@ -187,6 +190,7 @@ class RankReport:
             "swa_max_total_num_tokens": self.swa_max_total_num_tokens,
             "mamba_state_slots": self.mamba_state_slots,
             "planned_total_bytes": self.planned_total_bytes,
+            "rank_report": self.rank_report,
         }
 
 
@@ -258,6 +262,7 @@ def plan_rank(
             mamba_state_slots=cfg.mamba_state_slots,
             planned_total_bytes=cfg.planned_total_bytes(),
             memory_pool_config=cfg,
+            rank_report=build_rank_report(dataclasses.asdict(cfg), par, allocated),
         )
 
 
@@ -352,6 +357,9 @@ def format_table(reports: list[RankReport], header: str) -> str:
     for p in r0.pools:
         out.append(f"  {p.name.ljust(name_w)}  {p.planned_bytes:>16}  {p.allocated_bytes:>18}  "
                    f"{'yes' if p.planned_bytes == p.allocated_bytes else 'NO'}")
+    out.append("")
+    out.append("per-rank reports (the line each serving rank logs at start-up):")
+    out += [f"  {format_rank_report(r.rank_report)}" for r in reports]
     return "\n".join(out)
 
 

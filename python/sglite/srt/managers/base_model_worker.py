@@ -74,31 +74,45 @@ class BaseModelWorker(ABC):
         self.target_runner.forward_idle()
 
     def rank_report(self) -> dict[str, Any]:
-        """This rank's widths, KV heads, cell sizes, capacity, and planned vs allocated pool bytes."""
+        """This rank's report (``build_rank_report``) over the pools its runners allocated."""
         from sglite.srt.runtime_context import get_parallel
 
-        par = get_parallel()
-        plan = self.memory_plan()
-        planned = plan.get("planned_pool_bytes", {})
-        return {
-            "rank": par.rank,
-            "tp_rank": par.tp_rank,
-            "dp_rank": par.dp_rank,
-            "attn_tp_size": par.attn_tp_size,
-            "attn_tp_rank": par.attn_tp_rank,
-            "attn_dp_size": par.attn_dp_size,
-            "attn_dp_rank": par.attn_dp_rank,
-            "target_kv_heads_per_rank": plan.get("target_kv_heads_per_rank"),
-            "draft_kv_heads_per_rank": plan.get("draft_kv_heads_per_rank"),
-            "target_cell_bytes": plan.get("target_cell_bytes"),
-            "draft_cell_bytes": plan.get("draft_cell_bytes"),
-            "max_total_num_tokens": plan.get("max_total_num_tokens"),
-            "planned_pool_bytes": dict(planned),
-            "planned_target_kv_bytes": sum(v for k, v in planned.items() if k.startswith("target_")),
-            "planned_draft_kv_bytes": sum(v for k, v in planned.items() if k.startswith("draft_")),
-            "allocated_target_kv_bytes": int(self.target_runner.token_to_kv_pool.nbytes()),
-            "allocated_draft_kv_bytes": int(self.draft_runner.token_to_kv_pool.nbytes()) if self.draft_runner else 0,
-        }
+        allocated = dict(self.target_runner.kv_pools.allocated_bytes())
+        if self.draft_runner is not None:
+            allocated.update(self.draft_runner.kv_pools.allocated_bytes())
+        return build_rank_report(self.memory_plan(), get_parallel(), allocated)
+
+
+def build_rank_report(plan: dict[str, Any], par: Any, allocated_pool_bytes: dict[str, int]) -> dict[str, Any]:
+    """One rank's widths, KV heads, cell sizes, capacity, and planned vs allocated pool bytes.
+
+    ``plan`` is the MemoryPoolConfig as a dict, ``par`` the rank's ParallelState. A serving rank and a
+    rank simulated by `sglite plan` both build their report here, so both print the same line."""
+    planned = dict(plan.get("planned_pool_bytes", {}))
+
+    def total(pools: dict[str, int], prefix: str) -> int:
+        return sum(v for k, v in pools.items() if k.startswith(prefix))
+
+    return {
+        "rank": par.rank,
+        "tp_rank": par.tp_rank,
+        "dp_rank": par.dp_rank,
+        "attn_tp_size": par.attn_tp_size,
+        "attn_tp_rank": par.attn_tp_rank,
+        "attn_dp_size": par.attn_dp_size,
+        "attn_dp_rank": par.attn_dp_rank,
+        "target_kv_heads_per_rank": plan.get("target_kv_heads_per_rank"),
+        "draft_kv_heads_per_rank": plan.get("draft_kv_heads_per_rank"),
+        "target_cell_bytes": plan.get("target_cell_bytes"),
+        "draft_cell_bytes": plan.get("draft_cell_bytes"),
+        "max_total_num_tokens": plan.get("max_total_num_tokens"),
+        "planned_pool_bytes": planned,
+        "allocated_pool_bytes": dict(allocated_pool_bytes),
+        "planned_target_kv_bytes": total(planned, "target_"),
+        "planned_draft_kv_bytes": total(planned, "draft_"),
+        "allocated_target_kv_bytes": total(allocated_pool_bytes, "target_"),
+        "allocated_draft_kv_bytes": total(allocated_pool_bytes, "draft_"),
+    }
 
 
 def format_rank_report(report: dict[str, Any]) -> str:
