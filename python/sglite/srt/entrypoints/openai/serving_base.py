@@ -11,6 +11,7 @@ import abc
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Optional, Union
@@ -19,7 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from sglite.srt.entrypoints.openai.protocol import error_body
+from sglite.srt.entrypoints.openai.protocol import REFUSED_ERROR, error_body
+from sglite.srt.entrypoints.request_limits import JSONLimitError, loads_limited
 from sglite.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from sglite.srt.managers.tokenizer_manager import EngineDeadError, RequestValidationError, TokenizerManager
 
@@ -27,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # HTTP status nginx uses for "client closed request"; the client never sees it.
 STATUS_CLIENT_CLOSED = 499
+# Bodies above this size are parsed off the event loop.
+OFF_LOOP_JSON_BYTES = 256 * 1024
 
 
 def error_response(message: str, *, param: Optional[str] = None, status: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
@@ -46,24 +50,42 @@ def abort_error_response(metas: list[dict[str, Any]]) -> Optional[JSONResponse]:
 
 
 def validation_error_message(e: ValidationError) -> tuple[str, Optional[str]]:
-    """One readable line (and the offending field) from a pydantic ValidationError."""
-    parts, param = [], None
-    for err in e.errors()[:3]:
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        param = param or (str(err["loc"][0]) if err.get("loc") else None)
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "invalid request: " + "; ".join(parts), param
+    """One readable line (and the offending field) from a pydantic ValidationError.
+
+    A union field fails once per branch; the branch tags (``list[int]``, ``SamplingParamsRequest``)
+    are dropped from the path and repeated lines are reported once."""
+    errors = e.errors()
+    for err in errors:
+        if err["type"] == REFUSED_ERROR:  # an option this server does not implement: say only that
+            return str(err["msg"]), str(err["ctx"]["name"])
+    parts: list[str] = []
+    param = None
+    for err in errors:
+        loc = [x for x in err.get("loc", ()) if isinstance(x, int) or _FIELD_NAME.fullmatch(str(x))]
+        path = ".".join(str(x) for x in loc)
+        line = f"{path}: {err.get('msg')}" if path else str(err.get("msg"))
+        if line not in parts:
+            parts.append(line)
+        param = param or (str(loc[0]) if loc else None)
+    return "invalid request: " + "; ".join(parts[:3]), param
+
+
+# A request field name; union branch tags (str, list[int], SomeModel, function-after[...]) are not.
+_FIELD_NAME = re.compile(r"(?!(?:str|int|float|bool|list|dict|none)$)[a-z_][a-z0-9_]*")
 
 
 async def read_json_body(request: Request) -> Union[dict[str, Any], JSONResponse]:
-    """The request body as a JSON object, or a 400 response saying why it is not one."""
+    """The request body as a JSON object within the shape limits, or a 400 response saying why it is not one."""
     content_type = request.headers.get("content-type", "")
     if content_type and "json" not in content_type.lower():
         return error_response(f"unsupported content type {content_type!r}; send application/json")
     raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        # A large body is parsed and checked in a thread so the event loop keeps serving others.
+        body = await asyncio.to_thread(loads_limited, raw) if len(raw) > OFF_LOOP_JSON_BYTES else loads_limited(raw)
+    except JSONLimitError as e:
+        return error_response(f"the request body is refused: {e}", param=e.param)
+    except ValueError as e:
         return error_response(f"the request body is not valid JSON: {e}")
     if not isinstance(body, dict):
         return error_response(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -136,6 +158,10 @@ class OpenAIServingBase(abc.ABC):
     def convert(self, req: Any) -> GenerateReqInput:
         """Build the engine request (raise RequestValidationError for bad content)."""
 
+    async def prepare(self, req: Any) -> GenerateReqInput:
+        """The engine request, built off the event loop (convert may tokenize or render a template)."""
+        return await self.tm.run_off_loop(self.convert, req)
+
     @abc.abstractmethod
     async def respond_full(self, req: Any, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> Response:
         """Non-streaming response."""
@@ -157,8 +183,8 @@ class OpenAIServingBase(abc.ABC):
             )
         try:
             self.check_unsupported(req)
-            obj = self.convert(req)
-            tokenized = self.tm.tokenize_request(obj, fill_context=True)
+            obj = await self.prepare(req)
+            tokenized = await self.tm.run_off_loop(self.tm.tokenize_request, obj, fill_context=True)
         except RequestValidationError as e:
             param = self.prompt_param if e.param == "prompt" else _openai_param(e.param)
             return error_response(str(e), param=param)
