@@ -275,12 +275,14 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
             return error_response("give 'rid' or 'abort_all': true", param="rid")
         return Response(status_code=200)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         out = await tm.flush_cache()
         if out.success:
             return JSONResponse({"success": True, "message": "Cache flushed."})
         return error_response(f"cache not flushed: {out.message}")
+
+    for method in ("GET", "POST"):  # one route each, so the OpenAPI operation ids differ
+        app.add_api_route("/flush_cache", flush_cache, methods=[method], operation_id=f"flush_cache_{method.lower()}")
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

@@ -138,8 +138,11 @@ def loads_limited(raw: bytes) -> Any:
     try:
         value = json.loads(raw, parse_constant=_refuse_constant)
     except RecursionError:
-        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
-    # ValueError covers JSONDecodeError, bad UTF-8 and integers of more than 4300 digits.
+        raise JSONLimitError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels", None) from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, or Python's 4300-digit cap on int literals
+        if "integer string conversion" in str(e):
+            raise JSONLimitError(f"an integer does not fit in {MAX_INT_BITS} bits", None) from None
+        raise
     check_json_shape(value)
     return value
 
@@ -161,9 +164,9 @@ def check_json_shape(value: Any) -> None:
         else:
             items = enumerate(node)
         for key, child in items:
-            field = top if top is not None else (key if isinstance(key, str) else None)
             if isinstance(key, str):
-                _check_scalar(key, field)
+                _check_scalar(key, top)  # before the key can name a field in a message
+            field = top if top is not None else (key if isinstance(key, str) else None)
             if isinstance(child, (dict, list)):
                 stack.append((child, depth + 1, field))
             else:

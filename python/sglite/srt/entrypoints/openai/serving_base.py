@@ -58,16 +58,15 @@ def validation_error_message(e: ValidationError) -> tuple[str, Optional[str]]:
     for err in errors:
         if err["type"] == REFUSED_ERROR:  # an option this server does not implement: say only that
             return str(err["msg"]), str(err["ctx"]["name"])
-    parts: list[str] = []
-    param = None
+    first: dict[tuple[Any, ...], str] = {}  # path -> message of its first error
     for err in errors:
-        loc = [x for x in err.get("loc", ()) if isinstance(x, int) or _FIELD_NAME.fullmatch(str(x))]
-        path = ".".join(str(x) for x in loc)
-        line = f"{path}: {err.get('msg')}" if path else str(err.get("msg"))
-        if line not in parts:
-            parts.append(line)
-        param = param or (str(loc[0]) if loc else None)
-    return "invalid request: " + "; ".join(parts[:3]), param
+        path = tuple(x for x in err.get("loc", ()) if isinstance(x, int) or _FIELD_NAME.fullmatch(str(x)))
+        first.setdefault(path, str(err.get("msg")))
+    # A branch that failed at the top of a field ("not a list") says less than one that failed inside it.
+    paths = [p for p in first if not any(q[: len(p)] == p and q != p for q in first)]
+    parts = [f"{'.'.join(map(str, p))}: {first[p]}" if p else first[p] for p in paths[:3]]
+    param = next((str(p[0]) for p in paths if p), None)
+    return "invalid request: " + "; ".join(parts), param
 
 
 # A request field name; union branch tags (str, list[int], SomeModel, function-after[...]) are not.
