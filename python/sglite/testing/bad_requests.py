@@ -161,4 +161,6 @@ def hostile_requests(model: str) -> list[BadRequest]:
         BadRequest("chat_template_kwargs.tokenize", chat, body=c(chat_template_kwargs={"tokenize": True}), param="chat_template_kwargs"),
         # List lengths.
         BadRequest("65 stop strings", comp, body=p(stop=[f"s{i}" for i in range(65)]), param="stop"),
+        BadRequest("2000-prompt completions batch", comp, body=p(prompt=[[5]] * 2000), param="prompt"),
+        BadRequest("2000-prompt generate batch", gen, body={"input_ids": [[5]] * 2000}, param="input_ids"),
     ]

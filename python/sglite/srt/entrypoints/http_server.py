@@ -40,6 +40,7 @@ from sglite.srt.entrypoints.openai.protocol import (
 )
 from sglite.srt.entrypoints.openai.serving_base import (
     abort_error_response,
+    check_batch_size,
     error_response,
     read_request_model,
     run_until_disconnect,
@@ -171,6 +172,7 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
             return parsed
         obj = GenerateReqInput(**parsed.model_dump())
         try:
+            check_batch_size(obj, "text" if obj.text is not None else "input_ids")
             tokenized = await tm.run_off_loop(tm.tokenize_request, obj)
         except RequestValidationError as e:
             return error_response(str(e), param=e.param)

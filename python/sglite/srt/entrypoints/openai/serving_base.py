@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 STATUS_CLIENT_CLOSED = 499
 # Bodies above this size are parsed off the event loop.
 OFF_LOOP_JSON_BYTES = 256 * 1024
+# Prompts in one batched request: more would queue ahead of every other client's request at once.
+MAX_BATCH_PROMPTS = 1024
 
 
 def error_response(message: str, *, param: Optional[str] = None, status: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
@@ -108,6 +110,14 @@ async def read_request_model(request: Request, model_cls: type[BaseModel]) -> Un
     return parse_model(model_cls, body)
 
 
+def check_batch_size(obj: GenerateReqInput, param: str) -> None:
+    """Raise RequestValidationError when a batched request holds more than MAX_BATCH_PROMPTS prompts."""
+    if obj.is_batch and obj.batch_size > MAX_BATCH_PROMPTS:
+        raise RequestValidationError(
+            f"the request holds {obj.batch_size} prompts; at most {MAX_BATCH_PROMPTS} are allowed in one request", param
+        )
+
+
 async def run_until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
     """Run work, cancelling it if the client disconnects first (its generators then abort)."""
     task = asyncio.ensure_future(work)
@@ -183,6 +193,7 @@ class OpenAIServingBase(abc.ABC):
         try:
             self.check_unsupported(req)
             obj = await self.prepare(req)
+            check_batch_size(obj, self.prompt_param)
             tokenized = await self.tm.run_off_loop(self.tm.tokenize_request, obj, fill_context=True)
         except RequestValidationError as e:
             param = self.prompt_param if e.param == "prompt" else _openai_param(e.param)
