@@ -155,6 +155,7 @@ def hostile_requests(model: str) -> list[BadRequest]:
         BadRequest("generate sampling_params.regex", gen, body=g(regex="a+"), param="regex"),
         BadRequest("generate image_data", gen, body={"text": "a", "image_data": "http://x/y.png"}, param="image_data"),
         BadRequest("chat response_format json_object", chat, body=c(response_format={"type": "json_object"}), param="response_format"),
+        BadRequest("chat tool_choice required", chat, body=c(tool_choice="required"), param="tool_choice"),
         BadRequest("chat tools", chat, body=c(tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
         BadRequest("chat_template in request (untrusted)", chat, body=c(chat_template="{{ 'x' }}"), param="chat_template"),
         BadRequest("chat_template kwarg (untrusted)", chat, body=c(chat_template_kwargs={"chat_template": "{{ 'x' }}"}), param="chat_template_kwargs"),

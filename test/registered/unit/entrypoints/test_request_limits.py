@@ -10,7 +10,6 @@ import time
 import httpx
 import pytest
 
-from conftest import FakeServer
 from fake_scheduler import TOTAL_SLOTS
 from sglite.srt.entrypoints.request_limits import (
     MAX_JSON_DEPTH,
@@ -79,10 +78,8 @@ def test_default_body_limit_fits_the_context():
 
 # ------------------------------------------------------------------ over HTTP
 @pytest.fixture(scope="module")
-def server(tokenizer_dir):
-    srv = FakeServer(tokenizer_dir, "--trust-request-chat-template", "--request-body-timeout", str(BODY_TIMEOUT_S))
-    yield srv
-    srv.stop()
+def server(make_fake_server):
+    return make_fake_server("--trust-request-chat-template", "--request-body-timeout", str(BODY_TIMEOUT_S))
 
 
 def _normal_request(base: str, headers: dict) -> float:

@@ -5,9 +5,9 @@ Routers such as sglang-router re-serialize bodies and add fields of their own (`
 "default". Types are strict (pydantic strict mode): ``true`` is not an integer, ``"yes"`` is not a
 boolean, ``1.0`` is not a token id; a JSON integer is accepted where a float is expected. Value
 ranges are checked by ``SamplingParams.verify`` so every endpoint shares one rule set. Options that
-clients send but this server does not implement are declared in ``REFUSED`` of their model and
-answered with a 400 naming them (``refused_option``). Responses are plain dicts built by the
-serving classes.
+clients send but this server does not implement are listed in their model's ``REFUSED`` and fail
+validation with a ``REFUSED_ERROR`` naming them (the HTTP layer answers 400 with that ``param``).
+Responses are plain dicts built by the serving classes.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ class _Lenient(BaseModel):
     """Base of every request model: lenient about unknown keys and nulls, strict about types."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
-    # Field name -> what it asks for, for options declared only to be refused by name (see refused_option).
+    # Option name -> what it asks for: options clients send that this server does not implement.
     REFUSED: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        # Re-serializing gateways write `null` for options they do not set; treat it as "absent".
+    def _refuse_unserved_options(cls, data: Any) -> Any:
+        # Undeclared keys are ignored, so an unserved option must be refused before that happens.
         if isinstance(data, dict):
             for name, what in cls.REFUSED.items():
                 if data.get(name) not in _UNSET_VALUES:
@@ -41,6 +41,13 @@ class _Lenient(BaseModel):
                         REFUSED_ERROR, "{name} is not supported by this server ({what}); omit it",
                         {"name": name, "what": what},
                     )
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Re-serializing gateways write `null` for options they do not set; treat it as "absent".
+        if isinstance(data, dict):
             fields = cls.model_fields
             return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
         return data

@@ -41,6 +41,8 @@ class OpenAIServingChat(OpenAIServingBase):
             )
         if req.tools:
             raise RequestValidationError("tools are not supported by this server", "tools")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise RequestValidationError("tool_choice other than 'none' or 'auto' needs tools, which this server does not support", "tool_choice")
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise RequestValidationError("only response_format type 'text' is supported", "response_format")
         kwargs = req.chat_template_kwargs or {}
