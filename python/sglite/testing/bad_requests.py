@@ -160,6 +160,10 @@ def hostile_requests(model: str) -> list[BadRequest]:
         BadRequest("chat_template in request (untrusted)", chat, body=c(chat_template="{{ 'x' }}"), param="chat_template"),
         BadRequest("chat_template kwarg (untrusted)", chat, body=c(chat_template_kwargs={"chat_template": "{{ 'x' }}"}), param="chat_template_kwargs"),
         BadRequest("chat_template_kwargs.tokenize", chat, body=c(chat_template_kwargs={"tokenize": True}), param="chat_template_kwargs"),
+        # Ranges the request models check themselves (the sampling ranges are SamplingParams.verify's).
+        BadRequest("completions logprobs -1", comp, body=p(logprobs=-1), param="logprobs"),
+        BadRequest("chat top_logprobs -1", chat, body=c(logprobs=True, top_logprobs=-1), param="top_logprobs"),
+        BadRequest("bootstrap_port 70000", chat, body=c(bootstrap_port=70000), param="bootstrap_port"),
         # List lengths.
         BadRequest("65 stop strings", comp, body=p(stop=[f"s{i}" for i in range(65)]), param="stop"),
         BadRequest("2000-prompt completions batch", comp, body=p(prompt=[[5]] * 2000), param="prompt"),

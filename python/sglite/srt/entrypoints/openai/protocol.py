@@ -121,7 +121,7 @@ class _SamplingFields(_Lenient):
     rid: Optional[str] = None
     # PD disaggregation fields added by the router.
     bootstrap_host: Optional[str] = None
-    bootstrap_port: Optional[int] = None
+    bootstrap_port: Optional[int] = Field(None, ge=1, le=65535)
     bootstrap_room: Optional[int] = None
 
 
@@ -140,7 +140,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0)
     # A client-supplied template (vLLM's field): refused unless the server trusts request templates.
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -155,9 +155,9 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16  # OpenAI's default for completions
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0)
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[int] = Field(None, ge=1)
 
 
 def _model_of_dataclass(
