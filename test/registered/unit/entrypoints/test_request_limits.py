@@ -20,7 +20,7 @@ from sglite.srt.entrypoints.request_limits import (
 )
 
 SUITE = "unit-cpu"
-EST_TIME = 40
+EST_TIME = 55
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -116,6 +116,22 @@ def test_10mb_prompt_is_413_and_does_not_freeze_others(server):
     assert seconds < 5.0
     if status is not None:
         assert status == 413 and err["code"] == 413 and "--max-request-body-bytes" in err["message"]
+
+
+def test_huge_prompt_under_the_limit_is_tokenized_off_the_event_loop(server):
+    # ~900 KB of text: within the 1 MiB limit, seconds of tokenization, then a 400 (longer than the context).
+    body = {"model": "tiny", "prompt": "ab " * 300_000, "max_tokens": 2}
+
+    def hostile():
+        t = time.monotonic()
+        r = httpx.post(server.base + "/v1/completions", json=body, headers=server.headers, timeout=120)
+        return r.status_code, r.json(), time.monotonic() - t
+
+    (status, err, seconds), latency = asyncio.run(_timed_beside(server, hostile))
+    assert status == 400 and err["param"] == "prompt" and "context length" in err["message"], err
+    assert latency < 5.0
+    # The normal request was answered while the huge one was still being tokenized.
+    assert latency < seconds - 0.3, (latency, seconds)
 
 
 def test_chunked_body_is_cut_off_at_the_limit(server):

@@ -7,7 +7,7 @@ import pytest
 from sglite.srt.entrypoints.openai.template_worker import TemplateRenderError, TemplateWorker
 
 SUITE = "unit-cpu"
-EST_TIME = 15
+EST_TIME = 12
 
 pytestmark = pytest.mark.timeout(120)
 
