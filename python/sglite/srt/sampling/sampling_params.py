@@ -69,6 +69,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of integers")
         if vocab_size is not None and any(t < 0 or t >= vocab_size for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        for name in ("ignore_eos", "skip_special_tokens"):  # "no" is truthy: never let a string stand for a bool
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if not _is_int(self.n) or self.n != 1:
