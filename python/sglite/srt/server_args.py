@@ -57,6 +57,14 @@ class ServerArgs:
     api_key: Optional[str] = _opt("Require 'Authorization: Bearer <key>' (health and metrics stay public)")
     enable_metrics: bool = _opt("Expose Prometheus metrics on /metrics", False)
     log_level: str = _opt("Logging level", "info", LOG_LEVELS)
+    max_request_body_bytes: Optional[int] = _opt(
+        "Largest request body in bytes (413 above); default: 64 bytes per token of the context length, at least 1 MiB"
+    )
+    request_body_timeout: float = _opt("Seconds a client has to send a whole request body (408 after)", 30.0)
+    trust_request_chat_template: bool = _opt(
+        "Render chat templates sent in requests (`chat_template`), each in a worker killed after 5 s; "
+        "without this flag they are refused with 400", False,
+    )
 
     # Parallelism.
     tp_size: int = _opt("Tensor-parallel size", 1)
@@ -170,6 +178,14 @@ class ServerArgs:
         if self.attention_backend == "flashinfer" and self.resolved_device() != "cuda":
             raise ServerArgsError("--attention-backend flashinfer needs CUDA; use triton or torch_native on CPU")
         _require(1 <= self.port <= 65535, f"--port {self.port} is out of range")
+        _require(
+            self.max_request_body_bytes is None or self.max_request_body_bytes > 0,
+            "--max-request-body-bytes must be > 0",
+        )
+        _require(
+            math.isfinite(self.request_body_timeout) and self.request_body_timeout > 0,
+            "--request-body-timeout must be a number of seconds > 0",
+        )
         return self
 
     # ------------------------------------------------------------------ derived values

@@ -16,6 +16,7 @@ class BadRequest:
     body: Optional[Any] = None  # JSON-serialisable body
     raw: Optional[str] = None  # raw body text, sent as-is
     content_type: str = "application/json"
+    param: Optional[str] = None  # the field the error must name (checked when set)
 
     def content(self) -> bytes:
         """The bytes to send."""
@@ -87,4 +88,84 @@ def malformed_requests(model: str, context_len: int) -> list[BadRequest]:
         BadRequest("abort without rid", "/abort_request", body={}),
         BadRequest("chat top_logprobs (unsupported)", chat, body=c(logprobs=True, top_logprobs=2)),
         BadRequest("completions top logprobs (unsupported)", comp, body=p(logprobs=2)),
+        *hostile_requests(model),
+    ]
+
+
+def hostile_requests(model: str) -> list[BadRequest]:
+    """What a hostile client sent (issue 14): coercible types, invalid Unicode, deep or huge JSON, unserved options."""
+    chat = "/v1/chat/completions"
+    comp = "/v1/completions"
+    gen = "/generate"
+
+    def c(**kw: Any) -> dict[str, Any]:
+        return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, **kw}
+
+    def p(**kw: Any) -> dict[str, Any]:
+        return {"model": model, "prompt": "hello", "max_tokens": 4, **kw}
+
+    def g(**sp: Any) -> dict[str, Any]:
+        return {"text": "hello", "sampling_params": {"max_new_tokens": 4, **sp}}
+
+    def with_raw(body: dict[str, Any], key: str, raw_value: str) -> str:
+        # json.dumps cannot write these values (a 5000-digit literal, 100k brackets): splice them in.
+        return json.dumps({**body, key: 0}).replace(f'"{key}": 0', f'"{key}": {raw_value}')
+
+    lone = "\\ud800"  # a lone high surrogate, as JSON writes it
+    deep = "[" * 100_000 + "]" * 100_000
+    return [
+        # No coercion: bool is not an int, a string is not a bool, an int is not a bool.
+        BadRequest("max_tokens true", chat, body=c(max_tokens=True), param="max_tokens"),
+        BadRequest("stream 'yes'", chat, body=c(stream="yes"), param="stream"),
+        BadRequest("stream 1", comp, body=p(stream=1), param="stream"),
+        BadRequest("temperature true", comp, body=p(temperature=True), param="temperature"),
+        BadRequest("n true", chat, body=c(n=True), param="n"),
+        BadRequest("logprobs 'yes'", chat, body=c(logprobs="yes"), param="logprobs"),
+        BadRequest("ignore_eos 'true'", comp, body=p(ignore_eos="true"), param="ignore_eos"),
+        BadRequest("seed 1.5", chat, body=c(seed=1.5), param="seed"),
+        BadRequest("max_tokens 10.0", comp, body=p(max_tokens=10.0), param="max_tokens"),
+        BadRequest("prompt token ids as bools", comp, body=p(prompt=[True, False]), param="prompt"),
+        BadRequest("stream_options.include_usage 'yes'", chat, body=c(stream=True, stream_options={"include_usage": "yes"}), param="stream_options"),
+        BadRequest("generate input_ids bools", gen, body={"input_ids": [True, False]}, param="input_ids"),
+        BadRequest("generate skip_special_tokens 'no'", gen, body=g(skip_special_tokens="no"), param="sampling_params"),
+        BadRequest("generate max_new_tokens true", gen, body=g(max_new_tokens=True), param="sampling_params"),
+        BadRequest("generate stream 'yes'", gen, body={"text": "a", "stream": "yes"}, param="stream"),
+        BadRequest("generate bootstrap_port true", gen, body={"text": "a", "bootstrap_port": True}, param="bootstrap_port"),
+        BadRequest("abort abort_all 'yes'", "/abort_request", body={"abort_all": "yes"}, param="abort_all"),
+        BadRequest("abort rid number", "/abort_request", body={"rid": 5}, param="rid"),
+        # Invalid Unicode: a lone UTF-16 surrogate anywhere.
+        BadRequest("lone surrogate in prompt", comp, raw=json.dumps(p(prompt="x")).replace('"x"', f'"a{lone}b"'), param="prompt"),
+        BadRequest("lone surrogate in chat content", chat, raw=json.dumps(c()).replace('"hello"', f'"{lone}"'), param="messages"),
+        BadRequest("lone surrogate in stop", chat, raw=json.dumps(c(stop=["x"])).replace('["x"]', f'["{lone}"]'), param="stop"),
+        BadRequest("lone surrogate in generate text", gen, raw=json.dumps({"text": "x"}).replace('"x"', f'"{lone}"'), param="text"),
+        BadRequest("lone surrogate in a key", comp, raw='{"' + lone + '": 1, ' + json.dumps(p())[1:]),
+        # JSON Python's parser chokes on: 100k-deep nesting, a 5000-digit integer; and out-of-range numbers.
+        BadRequest("100k-deep nested JSON body", chat, raw=deep),
+        BadRequest("100k-deep nested JSON field", chat, raw=with_raw(c(), "chat_template_kwargs", deep)),
+        BadRequest("5000-digit integer", comp, raw=with_raw(p(), "max_tokens", "9" * 5000)),
+        BadRequest("4000-digit integer", comp, raw=with_raw(p(), "seed", "9" * 4000), param="seed"),
+        BadRequest("2**64 seed", chat, body=c(seed=2**64), param="seed"),
+        BadRequest("1e999 temperature", comp, raw=with_raw(p(), "temperature", "1e999"), param="temperature"),
+        BadRequest("generate huge token id", gen, raw=with_raw({"sampling_params": {"max_new_tokens": 2}}, "input_ids", "[" + "1" * 30 + "]"), param="input_ids"),
+        # Options this server does not implement are refused by name, never ignored.
+        BadRequest("chat functions", chat, body=c(functions=[{"name": "f", "parameters": {}}]), param="functions"),
+        BadRequest("chat regex", chat, body=c(regex="a+"), param="regex"),
+        BadRequest("completions json_schema", comp, body=p(json_schema="{}"), param="json_schema"),
+        BadRequest("completions lora_path", comp, body=p(lora_path="adapter"), param="lora_path"),
+        BadRequest("generate sampling_params.regex", gen, body=g(regex="a+"), param="regex"),
+        BadRequest("generate image_data", gen, body={"text": "a", "image_data": "http://x/y.png"}, param="image_data"),
+        BadRequest("chat response_format json_object", chat, body=c(response_format={"type": "json_object"}), param="response_format"),
+        BadRequest("chat tool_choice required", chat, body=c(tool_choice="required"), param="tool_choice"),
+        BadRequest("chat tools", chat, body=c(tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
+        BadRequest("chat_template in request (untrusted)", chat, body=c(chat_template="{{ 'x' }}"), param="chat_template"),
+        BadRequest("chat_template kwarg (untrusted)", chat, body=c(chat_template_kwargs={"chat_template": "{{ 'x' }}"}), param="chat_template_kwargs"),
+        BadRequest("chat_template_kwargs.tokenize", chat, body=c(chat_template_kwargs={"tokenize": True}), param="chat_template_kwargs"),
+        # Ranges the request models check themselves (the sampling ranges are SamplingParams.verify's).
+        BadRequest("completions logprobs -1", comp, body=p(logprobs=-1), param="logprobs"),
+        BadRequest("chat top_logprobs -1", chat, body=c(logprobs=True, top_logprobs=-1), param="top_logprobs"),
+        BadRequest("bootstrap_port 70000", chat, body=c(bootstrap_port=70000), param="bootstrap_port"),
+        # List lengths.
+        BadRequest("65 stop strings", comp, body=p(stop=[f"s{i}" for i in range(65)]), param="stop"),
+        BadRequest("2000-prompt completions batch", comp, body=p(prompt=[[5]] * 2000), param="prompt"),
+        BadRequest("2000-prompt generate batch", gen, body={"input_ids": [[5]] * 2000}, param="input_ids"),
     ]

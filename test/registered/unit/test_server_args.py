@@ -97,6 +97,9 @@ BAD = {
     "port_zero": (["--port", "0"], "--port", "out of range"),
     "port_too_large": (["--port", "70000"], "--port", "out of range"),
     "tp_not_an_integer": (["--tp-size", "two"], "--tp-size", "invalid int"),
+    "body_limit_zero": (["--max-request-body-bytes", "0"], "--max-request-body-bytes", "> 0"),
+    "body_timeout_zero": (["--request-body-timeout", "0"], "--request-body-timeout", "> 0"),
+    "body_timeout_nan": (["--request-body-timeout", "nan"], "--request-body-timeout", "> 0"),
 }
 
 
@@ -120,6 +123,7 @@ def test_bad_flag_exits_with_one_line(case, capsys):
         ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d", "--speculative-num-draft-tokens", "16"],
         ["--kv-cache-dtype", "fp8_e4m3", "--speculative-draft-kv-cache-dtype", "bfloat16", "--page-size", "16"],
         ["--mem-fraction-static", "0.5", "--chunked-prefill-size", "-1"],
+        ["--max-request-body-bytes", "65536", "--request-body-timeout", "2.5", "--trust-request-chat-template"],
     ],
 )
 def test_good_combinations_validate(argv):

@@ -2,9 +2,10 @@
 
 Routes: OpenAI (/v1/chat/completions, /v1/completions, /v1/models), SGLang native (/generate,
 /health, /health_generate, /get_model_info | /model_info, /get_server_info | /server_info,
-/abort_request, /flush_cache) and Prometheus /metrics. Every client error is a 400 with an
-OpenAI-style body (FastAPI's 422 included); a dead subprocess turns /health into 503 and stops the
-server with a message naming the process.
+/abort_request, /flush_cache), Prometheus /metrics and the OpenAPI schema /openapi.json (the body
+routes declare their request models there). Every client error is a 400 with an OpenAI-style body
+(FastAPI's 422 included; 413 / 408 for a body too large or too slow); a dead subprocess turns
+/health into 503 and stops the server with a message naming the process.
 """
 
 from __future__ import annotations
@@ -22,16 +23,25 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIRequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sglite.srt.entrypoints.engine import server_info
 from sglite.srt.entrypoints.launcher import LaunchedRuntime, LaunchError, launch_subprocesses
 from sglite.srt.entrypoints.metrics import ServerMetrics
-from sglite.srt.entrypoints.openai.protocol import AbortRequest, GenerateRequest, error_body
+from sglite.srt.entrypoints.openai.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    error_body,
+)
 from sglite.srt.entrypoints.openai.serving_base import (
     abort_error_response,
+    check_batch_size,
     error_response,
     read_request_model,
     run_until_disconnect,
@@ -39,6 +49,14 @@ from sglite.srt.entrypoints.openai.serving_base import (
 )
 from sglite.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglite.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglite.srt.entrypoints.openai.template_worker import TemplateWorker
+from sglite.srt.entrypoints.request_limits import (
+    RequestBodyError,
+    RequestBodyLimitMiddleware,
+    RequestBodyLimits,
+    body_error_response,
+    default_max_request_body_bytes,
+)
 from sglite.srt.managers.io_struct import GenerateReqInput
 from sglite.srt.managers.tokenizer_manager import EngineDeadError, RequestValidationError
 from sglite.srt.server_args import ServerArgs
@@ -88,14 +106,17 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
     tm = runtime.tokenizer_manager
     served_name = args.served_model_name or args.model_path or "default"
     aliases = tuple(x for x in (args.model_path,) if x)
-    chat = OpenAIServingChat(tm, served_name, aliases)
+    max_body = args.max_request_body_bytes or default_max_request_body_bytes(tm.context_len)
+    template_worker = TemplateWorker() if args.trust_request_chat_template else None
+    chat = OpenAIServingChat(tm, served_name, aliases, template_worker=template_worker, max_prompt_chars=max_body)
     completions = OpenAIServingCompletion(tm, served_name, aliases)
     metrics = ServerMetrics(served_name) if args.enable_metrics else None
     if metrics is not None:
         tm.on_request_finished = metrics.observe_finished
 
-    app = FastAPI(title="sglite", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="sglite", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.runtime = runtime
+    app.openapi = lambda: _openapi_with_request_models(app)
 
     # ---------------------------------------------------------------- error mapping (never 422)
     @app.exception_handler(FastAPIRequestValidationError)
@@ -105,6 +126,10 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _on_bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(str(exc), param=exc.param)
+
+    @app.exception_handler(RequestBodyError)
+    async def _on_body(request: Request, exc: RequestBodyError) -> JSONResponse:
+        return body_error_response(exc)
 
     @app.exception_handler(EngineDeadError)
     async def _on_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
@@ -122,11 +147,11 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
         return error_response(f"internal server error: {type(exc).__name__}: {exc}", status=500, err_type="InternalServerError")
 
     # ---------------------------------------------------------------- OpenAI
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await chat.handle(request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def v1_completions(request: Request) -> Response:
         return await completions.handle(request)
 
@@ -141,14 +166,15 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
         })
 
     # ---------------------------------------------------------------- native
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=_json_body(GenerateRequest))
     async def generate(request: Request) -> Response:
         parsed = await read_request_model(request, GenerateRequest)
         if isinstance(parsed, Response):
             return parsed
         obj = GenerateReqInput(**parsed.model_dump())
         try:
-            tokenized = tm.tokenize_request(obj)
+            check_batch_size(obj, "text" if obj.text is not None else "input_ids")
+            tokenized = await tm.run_off_loop(tm.tokenize_request, obj)
         except RequestValidationError as e:
             return error_response(str(e), param=e.param)
         if obj.stream:
@@ -238,7 +264,7 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
     async def server_info_route() -> JSONResponse:
         return await _server_info()
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=_json_body(AbortRequest))
     async def abort_request(request: Request) -> Response:
         parsed = await read_request_model(request, AbortRequest)
         if isinstance(parsed, Response):
@@ -252,12 +278,14 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
             return error_response("give 'rid' or 'abort_all': true", param="rid")
         return Response(status_code=200)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         out = await tm.flush_cache()
         if out.success:
             return JSONResponse({"success": True, "message": "Cache flushed."})
         return error_response(f"cache not flushed: {out.message}")
+
+    for method in ("GET", "POST"):  # one route each, so the OpenAPI operation ids differ
+        app.add_api_route("/flush_cache", flush_cache, methods=[method], operation_id=f"flush_cache_{method.lower()}")
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -273,7 +301,32 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
 
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    # Outermost: a body over the limit is refused before anything (the API key check included) reads it.
+    app.add_middleware(RequestBodyLimitMiddleware, limits=RequestBodyLimits(max_body, args.request_body_timeout))
     return app
+
+
+# Models whose JSON schemas /openapi.json carries (the routes read and validate bodies themselves).
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, GenerateRequest, AbortRequest)
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """openapi_extra declaring model as a route's JSON request body."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _openapi_with_request_models(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema of the routes plus the request models under components.schemas (built once)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in REQUEST_MODELS:
+            model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(model_schema.pop("$defs", {}))
+            components[model.__name__] = model_schema
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def describe_serving(args: ServerArgs) -> str:

@@ -1,7 +1,7 @@
 """TokenizerManager: the async front half of the server (runs in the HTTP / Engine process).
 
-It tokenizes (chat template included), validates lengths against the context length and the KV
-pool, sends requests to the scheduler, collects text deltas from the detokenizer, streams them, and
+It tokenizes (chat template included) in a small thread pool off the event loop, validates lengths
+against the context length and the KV pool, sends requests to the scheduler, collects text deltas from the detokenizer, streams them, and
 aborts requests whose caller went away (a cancelled generator aborts its request in ``finally``).
 """
 
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
@@ -37,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 # Default completion length of a native request that does not set max_new_tokens (SGLang's).
 DEFAULT_MAX_NEW_TOKENS = 128
+# Threads that tokenize and render chat templates (HF fast tokenizers release the GIL while encoding).
+TOKENIZER_THREADS = 4
 
 
 class RequestValidationError(ValueError):
@@ -117,6 +121,11 @@ class TokenizerManager:
         self.dead_reason: Optional[str] = None
         self.num_finished = 0
         self.num_aborted = 0
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
+
+    async def run_off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) in the tokenizer threads, so a huge prompt or a slow template delays no other request."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args, **kwargs))
 
     # ------------------------------------------------------------------ tokenization / validation
     def tokenize_request(self, obj: GenerateReqInput, *, fill_context: bool = False) -> list[TokenizedGenerateReqInput]:
@@ -464,6 +473,7 @@ class TokenizerManager:
         """Close the sockets."""
         if self._handle_task is not None and not self._handle_task.done():
             self._handle_task.cancel()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self.context.destroy(linger=0)
 
 

@@ -8,6 +8,8 @@ from typing import Any, Optional, Union
 
 # top_k value meaning "no top-k" after normalisation (SGLang uses -1 on the wire, a large int inside).
 TOP_K_ALL = 1 << 30
+# Stop strings are matched on every new token of the request; more than this is abuse, not a use.
+MAX_STOP_STRINGS = 64
 
 
 class SamplingParamsError(ValueError):
@@ -61,10 +63,15 @@ class SamplingParams:
             raise bad("stop", "must be a string or a list of strings")
         if any(s == "" for s in self.stop):
             raise bad("stop", "must not contain empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of integers")
         if vocab_size is not None and any(t < 0 or t >= vocab_size for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        for name in ("ignore_eos", "skip_special_tokens"):  # "no" is truthy: never let a string stand for a bool
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if not _is_int(self.n) or self.n != 1:

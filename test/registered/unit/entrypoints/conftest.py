@@ -79,3 +79,17 @@ def fake_server(tokenizer_dir):
     server = FakeServer(tokenizer_dir, "--enable-metrics")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def make_fake_server(tokenizer_dir):
+    """FakeServer(tokenizer_dir, *extra_flags) for this module's own flags; stopped at module end."""
+    servers = []
+
+    def make(*extra: str) -> FakeServer:
+        servers.append(FakeServer(tokenizer_dir, *extra))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.stop()

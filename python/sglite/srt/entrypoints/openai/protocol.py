@@ -1,8 +1,12 @@
-"""Request models of the OpenAI-compatible and native APIs (pydantic; unknown fields are ignored).
+"""Request models of the OpenAI-compatible and native APIs (pydantic, strict types; unknown fields are ignored).
 
 Routers such as sglang-router re-serialize bodies and add fields of their own (``log_metrics``,
-``no_stop_trim``, ``bootstrap_room`` ...), so every model ignores extra keys. Types are checked
-here; value ranges are checked by ``SamplingParams.verify`` so every endpoint shares one rule set.
+``no_stop_trim``, ``bootstrap_room`` ...), so every model ignores extra keys and reads ``null`` as
+"default". Types are strict (pydantic strict mode): ``true`` is not an integer, ``"yes"`` is not a
+boolean, ``1.0`` is not a token id; a JSON integer is accepted where a float is expected. Value
+ranges are checked by ``SamplingParams.verify`` so every endpoint shares one rule set. Options that
+clients send but this server does not implement are listed in their model's ``REFUSED`` and fail
+validation with a ``REFUSED_ERROR`` naming them (the HTTP layer answers 400 with that ``param``).
 Responses are plain dicts built by the serving classes.
 """
 
@@ -10,15 +14,34 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 from sglite.srt.managers.io_struct import GenerateReqInput
+from sglite.srt.sampling.sampling_params import SamplingParams
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Base of every request model: lenient about unknown keys and nulls, strict about types."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    # Option name -> what it asks for: options clients send that this server does not implement.
+    REFUSED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved_options(cls, data: Any) -> Any:
+        # Undeclared keys are ignored, so an unserved option must be refused before that happens.
+        if isinstance(data, dict):
+            for name, what in cls.REFUSED.items():
+                if data.get(name) not in _UNSET_VALUES:
+                    raise PydanticCustomError(
+                        REFUSED_ERROR, "{name} is not supported by this server ({what}); omit it",
+                        {"name": name, "what": what},
+                    )
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -28,6 +51,27 @@ class _Lenient(BaseModel):
             fields = cls.model_fields
             return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
         return data
+
+
+# pydantic error type of a refused option; its ctx["name"] is the option (the error's `param`).
+REFUSED_ERROR = "refused_option"
+# A refused option sent with one of these values asks for nothing (routers write `false` / `null` / `[]`).
+_UNSET_VALUES = (None, False, "", [], {})
+# SGLang's constrained-decoding options (no grammar backend here).
+_CONSTRAINED_DECODING = {
+    "regex": "regex-constrained decoding",
+    "ebnf": "grammar-constrained decoding",
+    "json_schema": "JSON-schema-constrained decoding",
+    "structural_tag": "structural-tag-constrained decoding",
+}
+# SGLang extensions of every generation route that need machinery this server does not have.
+_UNSERVED_EXTENSIONS = {
+    "lora_path": "LoRA adapters",
+    "return_hidden_states": "hidden-state output",
+    "image_data": "image input",
+    "audio_data": "audio input",
+    "video_data": "video input",
+}
 
 
 class StreamOptions(_Lenient):
@@ -55,6 +99,7 @@ class ChatMessage(_Lenient):
 class _SamplingFields(_Lenient):
     """Fields shared by chat and completions (OpenAI names plus SGLang/vLLM extensions)."""
 
+    REFUSED: ClassVar[dict[str, str]] = {**_CONSTRAINED_DECODING, **_UNSERVED_EXTENSIONS}
     model: str
     temperature: Optional[float] = None
     top_p: Optional[float] = None
@@ -76,18 +121,28 @@ class _SamplingFields(_Lenient):
     rid: Optional[str] = None
     # PD disaggregation fields added by the router.
     bootstrap_host: Optional[str] = None
-    bootstrap_port: Optional[int] = None
+    bootstrap_port: Optional[int] = Field(None, ge=1, le=65535)
     bootstrap_room: Optional[int] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
+    REFUSED: ClassVar[dict[str, str]] = {
+        **_SamplingFields.REFUSED,
+        "functions": "function calling",
+        "function_call": "function calling",
+        "audio": "audio output",
+        "prediction": "predicted outputs",
+        "web_search_options": "web search",
+    }
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0)
+    # A client-supplied template (vLLM's field): refused unless the server trusts request templates.
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
@@ -100,26 +155,47 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16  # OpenAI's default for completions
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0)
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[int] = Field(None, ge=1)
 
 
-def _model_of_dataclass(name: str, dataclass_type: type, doc: str) -> type[_Lenient]:
-    """A lenient pydantic model with exactly the fields, types and defaults of dataclass_type."""
+def _model_of_dataclass(
+    name: str, dataclass_type: type, doc: str, *, optional: bool = False,
+    overrides: Optional[dict[str, Any]] = None, refused: Optional[dict[str, str]] = None,
+) -> type[_Lenient]:
+    """A request model with exactly the fields, types and defaults of dataclass_type.
+
+    ``optional`` makes every field ``Optional[...] = None`` (absent = the server's default);
+    ``overrides`` replaces the wire type of some fields; ``refused`` becomes the model's REFUSED."""
     hints = typing.get_type_hints(dataclass_type)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(dataclass_type):
-        if f.default is dataclasses.MISSING:
+        hint = (overrides or {}).get(f.name, hints[f.name])
+        if optional:
+            fields[f.name] = (Optional[hint], None)
+        elif f.default is dataclasses.MISSING:
             raise TypeError(f"{dataclass_type.__name__}.{f.name} has no plain default; the request model needs one")
-        fields[f.name] = (hints[f.name], f.default)
+        else:
+            fields[f.name] = (hint, f.default)
     model = create_model(name, __base__=_Lenient, __doc__=doc, **fields)
+    model.REFUSED = dict(refused or {})  # a ClassVar of _Lenient, read by its validator
     model.__module__ = __name__
     return model
 
 
+# The native ``sampling_params`` object: SamplingParams' own fields (``stop`` may be one string).
+SamplingParamsRequest = _model_of_dataclass(
+    "SamplingParamsRequest", SamplingParams, "SGLang's native sampling_params (every field optional).",
+    optional=True, overrides={"stop": Union[str, list[str]]}, refused=_CONSTRAINED_DECODING,
+)
+
 # POST /generate: the body is GenerateReqInput itself (one definition of the native fields).
-GenerateRequest = _model_of_dataclass("GenerateRequest", GenerateReqInput, "POST /generate (SGLang's native body).")
+GenerateRequest = _model_of_dataclass(
+    "GenerateRequest", GenerateReqInput, "POST /generate (SGLang's native body).",
+    overrides={"sampling_params": Optional[Union[SamplingParamsRequest, list[SamplingParamsRequest]]]},
+    refused=_UNSERVED_EXTENSIONS,
+)
 
 
 class AbortRequest(_Lenient):

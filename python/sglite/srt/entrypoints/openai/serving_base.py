@@ -11,6 +11,7 @@ import abc
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Optional, Union
@@ -19,7 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from sglite.srt.entrypoints.openai.protocol import error_body
+from sglite.srt.entrypoints.openai.protocol import REFUSED_ERROR, error_body
+from sglite.srt.entrypoints.request_limits import JSONLimitError, loads_limited
 from sglite.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from sglite.srt.managers.tokenizer_manager import EngineDeadError, RequestValidationError, TokenizerManager
 
@@ -27,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 # HTTP status nginx uses for "client closed request"; the client never sees it.
 STATUS_CLIENT_CLOSED = 499
+# Bodies above this size are parsed off the event loop.
+OFF_LOOP_JSON_BYTES = 256 * 1024
+# Prompts in one batched request: more would queue ahead of every other client's request at once.
+MAX_BATCH_PROMPTS = 1024
 
 
 def error_response(message: str, *, param: Optional[str] = None, status: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
@@ -46,24 +52,41 @@ def abort_error_response(metas: list[dict[str, Any]]) -> Optional[JSONResponse]:
 
 
 def validation_error_message(e: ValidationError) -> tuple[str, Optional[str]]:
-    """One readable line (and the offending field) from a pydantic ValidationError."""
-    parts, param = [], None
-    for err in e.errors()[:3]:
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        param = param or (str(err["loc"][0]) if err.get("loc") else None)
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    """One readable line (and the offending field) from a pydantic ValidationError.
+
+    A union field fails once per branch; the branch tags (``list[int]``, ``SamplingParamsRequest``)
+    are dropped from the path and repeated lines are reported once."""
+    errors = e.errors()
+    for err in errors:
+        if err["type"] == REFUSED_ERROR:  # an option this server does not implement: say only that
+            return str(err["msg"]), str(err["ctx"]["name"])
+    first: dict[tuple[Any, ...], str] = {}  # path -> message of its first error
+    for err in errors:
+        path = tuple(x for x in err.get("loc", ()) if isinstance(x, int) or _FIELD_NAME.fullmatch(str(x)))
+        first.setdefault(path, str(err.get("msg")))
+    # A branch that failed at the top of a field ("not a list") says less than one that failed inside it.
+    paths = [p for p in first if not any(q[: len(p)] == p and q != p for q in first)]
+    parts = [f"{'.'.join(map(str, p))}: {first[p]}" if p else first[p] for p in paths[:3]]
+    param = next((str(p[0]) for p in paths if p), None)
     return "invalid request: " + "; ".join(parts), param
 
 
+# A request field name; union branch tags (str, list[int], SomeModel, function-after[...]) are not.
+_FIELD_NAME = re.compile(r"(?!(?:str|int|float|bool|list|dict|none)$)[a-z_][a-z0-9_]*")
+
+
 async def read_json_body(request: Request) -> Union[dict[str, Any], JSONResponse]:
-    """The request body as a JSON object, or a 400 response saying why it is not one."""
+    """The request body as a JSON object within the shape limits, or a 400 response saying why it is not one."""
     content_type = request.headers.get("content-type", "")
     if content_type and "json" not in content_type.lower():
         return error_response(f"unsupported content type {content_type!r}; send application/json")
     raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        # A large body is parsed and checked in a thread so the event loop keeps serving others.
+        body = await asyncio.to_thread(loads_limited, raw) if len(raw) > OFF_LOOP_JSON_BYTES else loads_limited(raw)
+    except JSONLimitError as e:
+        return error_response(f"the request body is refused: {e}", param=e.param)
+    except ValueError as e:
         return error_response(f"the request body is not valid JSON: {e}")
     if not isinstance(body, dict):
         return error_response(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -85,6 +108,14 @@ async def read_request_model(request: Request, model_cls: type[BaseModel]) -> Un
     if isinstance(body, Response):
         return body
     return parse_model(model_cls, body)
+
+
+def check_batch_size(obj: GenerateReqInput, param: str) -> None:
+    """Raise RequestValidationError when a batched request holds more than MAX_BATCH_PROMPTS prompts."""
+    if obj.is_batch and obj.batch_size > MAX_BATCH_PROMPTS:
+        raise RequestValidationError(
+            f"the request holds {obj.batch_size} prompts; at most {MAX_BATCH_PROMPTS} are allowed in one request", param
+        )
 
 
 async def run_until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
@@ -136,6 +167,10 @@ class OpenAIServingBase(abc.ABC):
     def convert(self, req: Any) -> GenerateReqInput:
         """Build the engine request (raise RequestValidationError for bad content)."""
 
+    async def prepare(self, req: Any) -> GenerateReqInput:
+        """The engine request, built off the event loop (convert may tokenize or render a template)."""
+        return await self.tm.run_off_loop(self.convert, req)
+
     @abc.abstractmethod
     async def respond_full(self, req: Any, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> Response:
         """Non-streaming response."""
@@ -157,8 +192,9 @@ class OpenAIServingBase(abc.ABC):
             )
         try:
             self.check_unsupported(req)
-            obj = self.convert(req)
-            tokenized = self.tm.tokenize_request(obj, fill_context=True)
+            obj = await self.prepare(req)
+            check_batch_size(obj, self.prompt_param)
+            tokenized = await self.tm.run_off_loop(self.tm.tokenize_request, obj, fill_context=True)
         except RequestValidationError as e:
             param = self.prompt_param if e.param == "prompt" else _openai_param(e.param)
             return error_response(str(e), param=param)

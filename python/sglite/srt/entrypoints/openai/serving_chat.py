@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+import inspect
+from typing import Any, AsyncIterator, Optional
 
 from fastapi.responses import JSONResponse, Response
 
 from sglite.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sglite.srt.entrypoints.openai.serving_base import OpenAIServingBase, abort_error_response, finish_reason_str, sse
+from sglite.srt.entrypoints.openai.template_worker import TemplateRenderError, TemplateWorker
 from sglite.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
-from sglite.srt.managers.tokenizer_manager import RequestValidationError
+from sglite.srt.managers.tokenizer_manager import RequestValidationError, TokenizerManager
 
 
 class OpenAIServingChat(OpenAIServingBase):
@@ -18,8 +20,19 @@ class OpenAIServingChat(OpenAIServingBase):
     request_model = ChatCompletionRequest
     prompt_param = "messages"
 
+    def __init__(
+        self, tokenizer_manager: TokenizerManager, served_model_name: str, model_aliases: tuple[str, ...] = (),
+        *, template_worker: Optional[TemplateWorker] = None, max_prompt_chars: int = 1 << 20,
+    ) -> None:
+        super().__init__(tokenizer_manager, served_model_name, model_aliases)
+        # Set only with --trust-request-chat-template: renders client-supplied templates, time-limited.
+        self.template_worker = template_worker
+        self.max_prompt_chars = max_prompt_chars
+        # chat_template_kwargs keys that would steer apply_chat_template itself rather than the template.
+        self.reserved_template_kwargs = _apply_chat_template_params(tokenizer_manager.tokenizer)
+
     def check_unsupported(self, req: ChatCompletionRequest) -> None:
-        """Also reject top_logprobs, tools and structured output, which are not implemented."""
+        """Also reject top_logprobs, tools, structured output and untrusted or steering template options."""
         super().check_unsupported(req)
         if req.top_logprobs:
             raise RequestValidationError(
@@ -28,11 +41,30 @@ class OpenAIServingChat(OpenAIServingBase):
             )
         if req.tools:
             raise RequestValidationError("tools are not supported by this server", "tools")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise RequestValidationError("tool_choice other than 'none' or 'auto' needs tools, which this server does not support", "tool_choice")
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise RequestValidationError("only response_format type 'text' is supported", "response_format")
+        kwargs = req.chat_template_kwargs or {}
+        steering = sorted(self.reserved_template_kwargs & kwargs.keys())
+        if steering:
+            raise RequestValidationError(f"chat_template_kwargs.{steering[0]} is set by the server; omit it", "chat_template_kwargs")
+        if self.client_template(req) is not None and self.template_worker is None:
+            raise RequestValidationError(
+                "a chat template sent in the request is refused: this server renders only its model's template "
+                "(start it with --trust-request-chat-template to allow client templates)",
+                "chat_template" if req.chat_template is not None else "chat_template_kwargs",
+            )
 
-    def convert(self, req: ChatCompletionRequest) -> GenerateReqInput:
-        """Render the messages with the tokenizer's chat template."""
+    @staticmethod
+    def client_template(req: ChatCompletionRequest) -> Optional[str]:
+        """The template the client sent (the ``chat_template`` field or kwarg), or None."""
+        if req.chat_template is not None:
+            return req.chat_template
+        return (req.chat_template_kwargs or {}).get("chat_template")
+
+    def template_messages(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+        """The messages as the chat template reads them (text content only)."""
         messages = []
         for i, m in enumerate(req.messages):
             if m.content is None or isinstance(m.content, str):
@@ -46,8 +78,32 @@ class OpenAIServingChat(OpenAIServingBase):
                         )
                     texts.append(part.text)
                 content = "".join(texts)
-            messages.append({"role": m.role, "content": content})
-        prompt = self.tm.apply_chat_template(messages, req.chat_template_kwargs)
+            message = {"role": m.role, "content": content}
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        return messages
+
+    async def prepare(self, req: ChatCompletionRequest) -> GenerateReqInput:
+        """Render a client template (trusted servers only) in the time-limited worker, then convert off the loop."""
+        template = self.client_template(req)
+        if template is None or self.template_worker is None:
+            return await self.tm.run_off_loop(self.convert, req)
+        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
+        # The tokenizer's special tokens (bos_token, eos_token ...) are template variables, as in transformers.
+        special = {k: v for k, v in self.tm.tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        try:
+            prompt = await self.template_worker.render(
+                template, self.template_messages(req), {**special, **kwargs}, self.max_prompt_chars
+            )
+        except TemplateRenderError as e:
+            raise RequestValidationError(str(e), "chat_template") from None
+        return await self.tm.run_off_loop(self.convert, req, prompt)
+
+    def convert(self, req: ChatCompletionRequest, prompt: Optional[str] = None) -> GenerateReqInput:
+        """Encode the prompt (rendered with the tokenizer's chat template unless given) into the engine request."""
+        if prompt is None:
+            prompt = self.tm.apply_chat_template(self.template_messages(req), req.chat_template_kwargs)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         # The template already placed every special token; encoding must not add a second BOS.
         input_ids = self.tm.tokenizer.encode(prompt, add_special_tokens=False)
@@ -61,7 +117,6 @@ class OpenAIServingChat(OpenAIServingBase):
             bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room,
         )
-
 
     async def respond_full(self, req: ChatCompletionRequest, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> Response:
         """One chat.completion object."""
@@ -129,3 +184,14 @@ class OpenAIServingChat(OpenAIServingBase):
             {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
             for tok, lp in self.token_logprobs(meta, start)
         ]}
+
+
+def _apply_chat_template_params(tokenizer: Any) -> frozenset[str]:
+    """The named parameters of the tokenizer's apply_chat_template, except the conversation and the template."""
+    method = getattr(tokenizer, "apply_chat_template", None)
+    if method is None:
+        return frozenset()
+    params = inspect.signature(method).parameters.values()
+    return frozenset(
+        p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name not in ("conversation", "chat_template")
+    )
