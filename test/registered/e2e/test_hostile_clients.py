@@ -1,12 +1,16 @@
-"""Fuzzing a real server from its own OpenAPI schema (schemathesis): no 5xx, no dead process, healthy after.
+"""Hostile clients against a real server: a 10 MB body and an endless chat template beside a normal request
+(answered within 5 s), then fuzzing from the server's own OpenAPI schema (schemathesis): no 5xx, no dead
+process, healthy after, no KV slot leaked.
 
-Requests are generated from /openapi.json, both fitting the schema (they reach the engine and generate)
+Fuzzed requests are generated from /openapi.json, both fitting the schema (they reach the engine and generate)
 and violating it (wrong types, missing fields: they must be 400s). The run is derandomized (the same
 cases every run), bounded in count and in time. The server trusts request chat templates, so templates
 the fuzzer invents are rendered too (in the time-limited worker). A short context keeps generations short.
 """
 
+import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -18,7 +22,7 @@ from schemathesis.generation import GenerationMode
 from conftest import ServerProcess
 
 SUITE = "e2e-cpu"
-EST_TIME = 110
+EST_TIME = 115
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,6 +36,44 @@ def server(tiny_model_dir, tmp_path_factory):
     srv = ServerProcess(tiny_model_dir, log, "--context-length", "48", "--trust-request-chat-template")
     yield srv
     srv.stop()
+
+
+def _completion_latency(server) -> float:
+    t = time.monotonic()
+    r = httpx.post(server.base + "/v1/completions", headers=server.headers, timeout=60,
+                   json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    return time.monotonic() - t
+
+
+@pytest.mark.parametrize("kind", ["10 MB body", "endless chat template"])
+def test_hostile_request_does_not_freeze_others(server, kind):
+    if kind == "10 MB body":
+        body = {"model": "tiny", "prompt": "x " * 5_000_000, "max_tokens": 2}
+        want = (413, None)
+    else:
+        loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "chat_template": loop}
+        want = (400, "chat_template")
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+
+    def hostile():
+        try:
+            r = httpx.post(server.base + path, content=json.dumps(body), timeout=60,
+                           headers={**server.headers, "content-type": "application/json"})
+        except httpx.TransportError:  # a 413 may close the connection before the client finished writing
+            return None
+        return r.status_code, r.json().get("param")
+
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(hostile)
+        time.sleep(0.5)
+        latency = _completion_latency(server)
+        outcome = pending.result()
+    assert latency < 5.0, latency
+    if outcome is not None or want[0] != 413:
+        assert outcome == want
+    assert server.proc.poll() is None
 
 
 def test_fuzzed_requests_never_5xx_and_server_survives(server):
