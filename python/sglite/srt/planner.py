@@ -40,7 +40,7 @@ from sglite.srt.model_executor.pool_configurator import (
     DEFAULT_SWA_FULL_TOKENS_RATIO,
     MemoryPlanError,
 )
-from sglite.srt.runtime_context import ModelBag, ParallelState, SpecBag, scoped
+from sglite.srt.runtime_context import ModelBag, ParallelState, SpecBag, check_attn_cp_supported, scoped
 from sglite.srt.server_args import KV_CACHE_DTYPES, SPECULATIVE_ALGORITHMS, ServerArgs, ServerArgsError
 
 # ====================================================================== weights estimate
@@ -215,6 +215,8 @@ def plan_rank(
         draft_kv_cache_dtype=sa.speculative_draft_kv_cache_dtype or sa.kv_cache_dtype,
         draft_model_config=draft_model_config,
     )
+    if sa.speculative_algorithm is not None:
+        check_attn_cp_supported(par.attn_cp_size)  # the runtime's own refusal (its layers call it)
     with scoped(parallel=par, model=ModelBag(model_config, model_dtype, "meta"), spec=spec):
         simulate_rank(par, rank)
         aux = resolve_spec_aux_hidden_state(sa, model_config, draft_model_config=draft_model_config, model_dtype=model_dtype)
@@ -302,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-draft-model-path", help="Draft model directory or config.json")
     p.add_argument("--speculative-draft-kv-cache-dtype", choices=KV_CACHE_DTYPES)
     p.add_argument("--speculative-num-draft-tokens", type=int)
+    p.add_argument("--speculative-dspark-block-size", type=int)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")
@@ -374,6 +377,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             speculative_draft_model_path=a.speculative_draft_model_path,
             speculative_draft_kv_cache_dtype=a.speculative_draft_kv_cache_dtype,
             speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+            speculative_dspark_block_size=a.speculative_dspark_block_size,
             tp_size=a.tp_size, dp_size=a.dp_size, enable_dp_attention=a.enable_dp_attention,
             attn_cp_size=a.attn_cp_size, mem_fraction_static=a.mem_fraction_static, device=a.device,
             cpu_kv_cache_budget_mb=a.cpu_kv_cache_budget_mb, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,

@@ -209,7 +209,7 @@ def test_draft_for_another_target():
 
 
 def test_aux_layer_helper():
-    ids, n = _resolve_dflash_aux_hidden_state(ModelConfig.from_dict(_seed_draft_raw()), _target())
+    ids, n = _resolve_dflash_aux_hidden_state("DFLASH", ModelConfig.from_dict(_seed_draft_raw()), _target())
     assert ids == [1, 9, 17, 25, 33] and n == 5
 
 

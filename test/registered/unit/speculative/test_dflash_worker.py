@@ -302,8 +302,13 @@ def test_dspark_greedy_is_lossless_and_zeroed_head_equals_dflash(trained, tmp_pa
     from sglite.testing.tiny_dflash import build_tiny_dspark_draft
 
     target_dir, tr, target, draft = trained
-    zero_dir = build_tiny_dspark_draft(str(tmp_path / "dspark0"), tr.draft_dir, markov_rank=8, markov_scale=0.0)
-    markov_dir = build_tiny_dspark_draft(str(tmp_path / "dspark"), tr.draft_dir, markov_rank=8, markov_scale=1.0)
+    # sample_from_anchor=False: the DFlash slot convention, so a zeroed head drafts exactly like DFLASH.
+    zero_dir = build_tiny_dspark_draft(
+        str(tmp_path / "dspark0"), tr.draft_dir, markov_rank=8, markov_scale=0.0, sample_from_anchor=False
+    )
+    markov_dir = build_tiny_dspark_draft(
+        str(tmp_path / "dspark"), tr.draft_dir, markov_rank=8, markov_scale=1.0, sample_from_anchor=False
+    )
     prompts = [tr.prompts[3], tr.prompts[8] + target_greedy(target, tr.prompts[8], 1)] + random_prompts(1, seed=11)
     max_new = 19
     with spec_scheduler(target_dir, zero_dir, speculative_algorithm="DSPARK") as (sched, worker):
