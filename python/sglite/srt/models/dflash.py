@@ -31,7 +31,7 @@ from sglite.srt.model_loader.weight_utils import (
     expected_loads,
     load_named_weights,
 )
-from sglite.srt.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, model_tp_group
+from sglite.srt.models.llama import LlamaAttention, LlamaMLP, model_tp_group
 
 
 class DFlashAttention(LlamaAttention):
@@ -235,8 +235,15 @@ class DFlashDraftModel(nn.Module):
 
     # ------------------------------------------------------------------ weights
     # checkpoint name fragment -> (fused parameter fragment, shard id): the draft layers fuse q/k/v and
-    # gate/up exactly as the Llama-family targets do.
-    stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
+    # gate/up as the Llama-family targets do, matched with their module (DSPARK's
+    # ``markov_head.gate_proj`` is not an MLP gate).
+    stacked_params_mapping = (
+        (".self_attn.q_proj", ".self_attn.qkv_proj", "q"),
+        (".self_attn.k_proj", ".self_attn.qkv_proj", "k"),
+        (".self_attn.v_proj", ".self_attn.qkv_proj", "v"),
+        (".mlp.gate_proj", ".mlp.gate_up_proj", 0),
+        (".mlp.up_proj", ".mlp.gate_up_proj", 1),
+    )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the draft's own tensors; an unknown or missing tensor is an error naming it.

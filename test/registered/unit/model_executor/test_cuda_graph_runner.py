@@ -263,8 +263,8 @@ def test_dflash_verify_and_draft_block_graphs_equal_eager(pair_dirs, rank0):
     assert graphed_block.next_token_logits.shape == (3 * BLOCK, 512)
     torch.testing.assert_close(graphed_block.next_token_logits, eager_block.next_token_logits, atol=1e-5, rtol=1e-5)
     _assert_only_real_and_pad_slots_changed(draft.token_to_kv_pool, before, block_fb.out_cache_loc, page)
-    drafts = draft.model.propose_drafts(graphed_block, block_fb, BLOCK)
-    assert torch.equal(drafts, draft.model.propose_drafts(eager_block, block_fb, BLOCK))
+    drafts = draft.model.propose_drafts(graphed_block, block_fb, BLOCK).ids
+    assert torch.equal(drafts, draft.model.propose_drafts(eager_block, block_fb, BLOCK).ids)
 
     # Verify [c, d1..d3] in the same slots, capturing the draft's target layers.
     verify_items = [(r, p, [c] + d) for r, p, c, d in zip(rows, prefix, anchors, drafts.tolist())]
