@@ -119,13 +119,37 @@ def estimate_weight_bytes_per_rank(
     return int(total)
 
 
+def _block_draft_head_params(draft: ModelConfig) -> int:
+    """Replicated parameters a DFLASH/DSPARK draft adds to its layers: ``fc`` and DSPARK's heads.
+
+    fc ``K*H*H``; Markov ``markov_w1`` + ``markov_w2`` ``2*V*r``, plus the gated head's ``gate_proj``
+    ``(H+r)*r + r`` or the rnn head's ``joint_proj`` ``(2r+H)*3r + 3r``; confidence ``proj`` ``in + 1``.
+    """
+    spec, h, v = draft.draft, draft.hidden_size, draft.vocab_size
+    total = len(spec.target_layer_ids) * h * h
+    if spec.algorithm == "DSPARK":
+        r = spec.markov_rank
+        total += 2 * v * r
+        if spec.markov_head_type == "gated":
+            total += (h + r) * r + r
+        elif spec.markov_head_type == "rnn":
+            total += (2 * r + h) * 3 * r + 3 * r
+        if spec.enable_confidence_head:
+            total += h + (r if spec.confidence_head_with_markov else 0) + 1
+    return total
+
+
 def estimate_draft_weight_bytes_per_rank(draft: ModelConfig, algorithm: str, tp_size: int, attn_tp_size: int) -> int:
-    """Draft weights on one rank: its layers; DFLASH adds ``fc`` and borrows the target's embed/lm_head."""
-    if algorithm == "DFLASH":
-        fc = len(draft.draft.target_layer_ids) * draft.hidden_size * draft.hidden_size
+    """Draft weights on one rank.
+
+    DFLASH/DSPARK: its layers plus ``fc`` and DSPARK's Markov / confidence heads (replicated); the
+    embedding and LM head are the target's (a checkpoint's copies are dropped at load, as speculators
+    and SGLang do), so they are not counted twice. EAGLE/STANDALONE are whole small models.
+    """
+    if algorithm in ("DFLASH", "DSPARK"):
         dense_b, _ = _weight_elem_bytes(draft)
-        return estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=False) + int(fc * dense_b)
-    # DSPARK checkpoints ship their own embedding and lm_head; EAGLE/STANDALONE are whole small models.
+        layers = estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=False)
+        return layers + int(_block_draft_head_params(draft) * dense_b)
     return estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=True)
 
 

@@ -319,3 +319,20 @@ def test_plan_refuses_a_nonsense_draft_dtype_as_the_runtime_does(capsys, tiny_pa
     planned = _plan_tiny(capsys, target, "DFLASH", str(bad))
     assert planned == _runtime_error(target, "DFLASH", str(bad))
     assert "'float99' is not a known weight dtype" in planned
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_dspark_draft_weight_estimate_counts_its_own_heads(one_rank, head_type):
+    """The estimate equals the bytes of the draft as sglite builds it (on meta), norms aside."""
+    import torch
+
+    from sglite.srt.models.dspark import DSparkDraftModel
+    from sglite.srt.planner import estimate_draft_weight_bytes_per_rank
+
+    cfg = ModelConfig.from_dict(dict(_raw("dspark-qwen3-8b-block7.json"), markov_head_type=head_type), path="<d>")
+    with torch.device("meta"):
+        model = DSparkDraftModel(cfg, params_dtype=torch.bfloat16)
+    built = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n)
+    assert estimate_draft_weight_bytes_per_rank(cfg, "DSPARK", 1, 1) == built
+    heads = sum(p.numel() * 2 for n, p in model.named_parameters() if n.startswith(("markov_head", "confidence")))
+    assert heads >= 2 * 151936 * 256 * 2  # markov_w1 + markov_w2 are counted
