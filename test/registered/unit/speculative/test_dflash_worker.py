@@ -558,3 +558,23 @@ def test_logprobs_of_accepted_tokens_equal_the_targets_own(trained):
             logits = target(torch.tensor([list(p) + out])).logits[0, len(p) - 1 : -1].float()
         ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(lps[f"lp{i}"]), ref, atol=1e-4, rtol=0)
+
+
+def test_spec_cap_length_in_meta_info_only_when_blocks_were_trimmed(trained, tmp_path):
+    """cap-accept: the scheduler reports the mean drafts verified per step; static reports nothing."""
+    target_dir, tr, _, _ = trained
+    draft_dir = _anchor_dspark(tr, tmp_path)
+    for mode in ("static", "cap-accept"):
+        with spec_scheduler(target_dir, draft_dir, speculative_algorithm="DSPARK", ragged_verify_mode=mode,
+                            ragged_verify_cap_threshold=0.3) as (sched, worker):
+            sched.add_request(TokenizedGenerateReqInput(rid="c", input_text=None, input_ids=tr.prompts[7],
+                                                        sampling_params=greedy(12), stream=False))
+            msgs = []
+            while sched.has_work():
+                msgs.extend(sched.step())
+            (last,) = [m for m in msgs if m.finished_reasons[0] is not None]
+            cap = last.spec_cap_length[0]
+            if mode == "static":
+                assert cap is None
+            else:
+                assert cap is not None and 1 <= cap < worker.num_proposed_drafts
