@@ -28,7 +28,7 @@ from sglite.testing.tiny_dflash import (
 )
 
 SUITE = "unit-cpu"
-EST_TIME = 25
+EST_TIME = 12
 
 RANK = 8
 HEAD_TYPES = ("vanilla", "gated", "rnn")
