@@ -4,6 +4,12 @@ Held-out prompts (the training script's held-out files, via bench_default_accept
 fixed max_new_tokens. For each concurrency it prints output tok/s without and with DFLASH, the
 speed-up, the accept length (completion tokens / verify steps, SGLang's definition) and whether the
 speculative outputs equal the plain ones token for token (greedy speculation is lossless).
+
+``--dspark-cap-thresholds T ...`` measures DSPARK's cap-accept verify mode instead: the default
+DFLASH draft becomes a DSPARK draft (zeroed Markov head, DFlash slot convention, so its drafts are
+the DFLASH drafts) whose confidence head is fitted here by logistic regression on acceptance
+outcomes of other held-out prompts; then static and cap-accept (one run per threshold) are compared
+on target tokens verified per step, accept length and tok/s.
 """
 
 from __future__ import annotations
@@ -49,11 +55,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None, help="Write results as JSON here")
+    p.add_argument("--dspark-cap-thresholds", type=float, nargs="+", default=None,
+                   help="Measure DSPARK cap-accept at these thresholds (see the module docstring)")
     args = p.parse_args(argv)
     for path in (args.model_path, args.draft_model_path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             print(f"bench_spec: no model at {path}; pass --model-path / --draft-model-path", file=sys.stderr)
             return 2
+    if args.dspark_cap_thresholds:
+        return bench_dspark_cap(args)
 
     import sglite
     from sglite.bench_offline import run_engine
@@ -89,6 +99,136 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows.append({"concurrency": c, "plain_tok_s": base.output_tok_s, "spec_tok_s": spec.output_tok_s,
                      "speedup": speedup, "accept_length": spec.accept_length, "identical_outputs": same,
                      "num_prompts": len(prompts)})
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+# ---------------------------------------------------------------------- DSPARK cap-accept
+
+
+def fit_confidence_dspark(model_path: str, dflash_dir: str, out_dir: str, prompts, max_new: int) -> dict[str, float]:
+    """Save ``dflash_dir`` as a DSPARK draft whose confidence head predicts each draft's acceptance.
+
+    Static greedy decoding of ``prompts`` records, for every draft slot the verify judged (all drafts
+    before it accepted), the draft's hidden row and whether it was accepted; a logistic regression on
+    them gives ``confidence_head.proj``: P(draft k accepted | drafts before it accepted).
+    """
+    from safetensors.torch import load_file, save_file
+
+    from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
+    from sglite.srt.managers.scheduler import Scheduler
+    from sglite.srt.runtime_context import ParallelState, scoped
+    from sglite.srt.server_args import ServerArgs
+    from sglite.srt.speculative.dflash_worker import create_dflash_worker
+    from sglite.testing.runner_generate import scheduler_greedy_generate
+    from sglite.testing.tiny_dflash import build_tiny_dspark_draft
+
+    build_tiny_dspark_draft(out_dir, dflash_dir, markov_rank=8, markov_scale=0.0, sample_from_anchor=False,
+                            enable_confidence_head=True, confidence_head_with_markov=False)
+    sa = ServerArgs(model_path=model_path, speculative_algorithm="DSPARK", speculative_draft_model_path=out_dir,
+                    device="cpu", disable_radix_cache=True, log_level="warning").validate()
+    feats, labels, seen = [], [], {}
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            worker = create_dflash_worker(sa)
+            propose, decode = worker.draft_model.propose_drafts, worker.forward_decode
+
+            def recording_propose(out, fb, block):
+                seen["hidden"] = out.hidden_states.reshape(fb.batch_size, block, -1)[:, 1:]  # the drafting rows
+                return propose(out, fb, block)
+
+            def recording_decode(batch):
+                result = decode(batch)
+                accepted = torch.tensor(worker.last_step.accept_lens)
+                slot = torch.arange(seen["hidden"].shape[1])
+                judged = slot[None, :] <= accepted[:, None]
+                feats.append(seen["hidden"][judged])
+                labels.append((slot[None, :] < accepted[:, None])[judged].float())
+                return result
+
+            worker.draft_model.propose_drafts, worker.forward_decode = recording_propose, recording_decode
+            scheduler_greedy_generate(Scheduler(sa, worker), prompts, max_new)
+        finally:
+            destroy_parallel_runtime()
+    x, y = torch.cat(feats).float(), torch.cat(labels)
+    w = torch.zeros(x.shape[1], requires_grad=True)
+    b = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, y) + 1e-3 * w.square().sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    path = os.path.join(out_dir, "model.safetensors")
+    weights = load_file(path)
+    weights["confidence_head.proj.weight"] = w.detach()[None, :].contiguous()
+    weights["confidence_head.proj.bias"] = b.detach().clone()
+    save_file(weights, path)
+    with torch.no_grad():
+        pred = torch.sigmoid(x @ w + b) >= 0.5
+    return {"fit_slots": int(y.numel()), "fit_accept_rate": float(y.mean()), "fit_accuracy": float((pred == y.bool()).float().mean())}
+
+
+def bench_dspark_cap(args) -> int:
+    """static vs cap-accept on a DSPARK draft with a fitted confidence head (module docstring)."""
+    import tempfile
+
+    import sglite
+    from sglite.bench_offline import run_engine
+
+    prompts = _heldout_prompts(args.model_path, args.num_prompts, args.seed)
+    fit_prompts = _heldout_prompts(args.model_path, 2 * args.num_prompts, args.seed + 1)
+    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
+    out_dir = tempfile.mkdtemp(prefix="dspark_conf_")
+    fit = fit_confidence_dspark(args.model_path, args.draft_model_path, out_dir, fit_prompts, args.max_new_tokens)
+    common = dict(model_path=args.model_path, device=args.device, attention_backend=args.attention_backend,
+                  disable_radix_cache=True, log_level="warning", speculative_algorithm="DSPARK",
+                  speculative_draft_model_path=out_dir)
+    runs = [("static", None)] + [("cap-accept", t) for t in args.dspark_cap_thresholds]
+    results = {}
+    for mode, threshold in runs:
+        extra = {"ragged_verify_mode": mode}
+        if threshold is not None:
+            extra["ragged_verify_cap_threshold"] = threshold
+        engine = sglite.Engine(**common, **extra)
+        try:
+            run_engine(engine, prompts[:1], sampling, 1)  # warm-up
+            results[(mode, threshold)] = {c: run_engine(engine, prompts, sampling, c) for c in args.concurrency}
+        finally:
+            engine.shutdown()
+    with open(os.path.join(args.draft_model_path, "config.json")) as f:
+        n_drafts = json.load(f)["block_size"] - 1  # DFlash slot convention: B-1 drafts per block
+
+    def verify_tokens(res) -> int:
+        """Target tokens verified: (anchor + drafts scored) per verify forward, from meta_info."""
+        return int(sum(m["spec_verify_ct"] * (1 + (m.get("spec_cap_length") or n_drafts)) for m in res.meta_infos))
+
+    print(f"DSPARK cap-accept on {args.model_path} + fitted DSPARK({args.draft_model_path}); device {args.device}; "
+          f"{len(prompts)} held-out prompts, greedy, max_new_tokens {args.max_new_tokens}; {n_drafts} drafts per block")
+    print(f"confidence head fit: {fit['fit_slots']} judged slots, accept rate {fit['fit_accept_rate']:.2f}, "
+          f"accuracy {fit['fit_accuracy']:.2f}")
+    print(f"{'conc':>5} {'mode':>16} {'tok/s':>8} {'accept len':>11} {'verify tok/step':>16} "
+          f"{'verify tok':>11} {'saved':>7} {'identical':>10}")
+    rows = []
+    for c in args.concurrency:
+        base = results[("static", None)][c]
+        base_tokens = verify_tokens(base)
+        for (mode, threshold), per_c in results.items():
+            res = per_c[c]
+            tokens = verify_tokens(res)
+            same = sum(a == b for a, b in zip(base.output_ids, res.output_ids))
+            label = mode if threshold is None else f"{mode}@{threshold:g}"
+            saved = 1 - tokens / base_tokens
+            print(f"{c:>5} {label:>16} {res.output_tok_s:>8.1f} {res.accept_length or 0:>11.2f} "
+                  f"{tokens / res.verify_steps:>16.2f} {tokens:>11} {saved:>6.1%} {same:>5}/{len(prompts)}")
+            rows.append({"concurrency": c, "mode": mode, "threshold": threshold, "tok_s": res.output_tok_s,
+                         "accept_length": res.accept_length, "verify_tokens": tokens,
+                         "verify_steps": res.verify_steps, "saved": saved, "identical_outputs": same, **fit})
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(rows, f, indent=1)

@@ -40,7 +40,7 @@ from sglite.srt.model_executor.pool_configurator import (
     DEFAULT_SWA_FULL_TOKENS_RATIO,
     MemoryPlanError,
 )
-from sglite.srt.runtime_context import ModelBag, ParallelState, SpecBag, scoped
+from sglite.srt.runtime_context import ModelBag, ParallelState, SpecBag, check_attn_cp_supported, scoped
 from sglite.srt.server_args import KV_CACHE_DTYPES, SPECULATIVE_ALGORITHMS, ServerArgs, ServerArgsError
 
 # ====================================================================== weights estimate
@@ -119,13 +119,37 @@ def estimate_weight_bytes_per_rank(
     return int(total)
 
 
+def _block_draft_head_params(draft: ModelConfig) -> int:
+    """Replicated parameters a DFLASH/DSPARK draft adds to its layers: ``fc`` and DSPARK's heads.
+
+    fc ``K*H*H``; Markov ``markov_w1`` + ``markov_w2`` ``2*V*r``, plus the gated head's ``gate_proj``
+    ``(H+r)*r + r`` or the rnn head's ``joint_proj`` ``(2r+H)*3r + 3r``; confidence ``proj`` ``in + 1``.
+    """
+    spec, h, v = draft.draft, draft.hidden_size, draft.vocab_size
+    total = len(spec.target_layer_ids) * h * h
+    if spec.algorithm == "DSPARK":
+        r = spec.markov_rank
+        total += 2 * v * r
+        if spec.markov_head_type == "gated":
+            total += (h + r) * r + r
+        elif spec.markov_head_type == "rnn":
+            total += (2 * r + h) * 3 * r + 3 * r
+        if spec.enable_confidence_head:
+            total += h + (r if spec.confidence_head_with_markov else 0) + 1
+    return total
+
+
 def estimate_draft_weight_bytes_per_rank(draft: ModelConfig, algorithm: str, tp_size: int, attn_tp_size: int) -> int:
-    """Draft weights on one rank: its layers; DFLASH adds ``fc`` and borrows the target's embed/lm_head."""
-    if algorithm == "DFLASH":
-        fc = len(draft.draft.target_layer_ids) * draft.hidden_size * draft.hidden_size
+    """Draft weights on one rank.
+
+    DFLASH/DSPARK: its layers plus ``fc`` and DSPARK's Markov / confidence heads (replicated); the
+    embedding and LM head are the target's (a checkpoint's copies are dropped at load, as speculators
+    and SGLang do), so they are not counted twice. EAGLE/STANDALONE are whole small models.
+    """
+    if algorithm in ("DFLASH", "DSPARK"):
         dense_b, _ = _weight_elem_bytes(draft)
-        return estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=False) + int(fc * dense_b)
-    # DSPARK checkpoints ship their own embedding and lm_head; EAGLE/STANDALONE are whole small models.
+        layers = estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=False)
+        return layers + int(_block_draft_head_params(draft) * dense_b)
     return estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=True)
 
 
@@ -215,6 +239,8 @@ def plan_rank(
         draft_kv_cache_dtype=sa.speculative_draft_kv_cache_dtype or sa.kv_cache_dtype,
         draft_model_config=draft_model_config,
     )
+    if sa.speculative_algorithm is not None:
+        check_attn_cp_supported(par.attn_cp_size)  # the runtime's own refusal (its layers call it)
     with scoped(parallel=par, model=ModelBag(model_config, model_dtype, "meta"), spec=spec):
         simulate_rank(par, rank)
         aux = resolve_spec_aux_hidden_state(sa, model_config, draft_model_config=draft_model_config, model_dtype=model_dtype)
@@ -302,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-draft-model-path", help="Draft model directory or config.json")
     p.add_argument("--speculative-draft-kv-cache-dtype", choices=KV_CACHE_DTYPES)
     p.add_argument("--speculative-num-draft-tokens", type=int)
+    p.add_argument("--speculative-dspark-block-size", type=int)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")
@@ -374,6 +401,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             speculative_draft_model_path=a.speculative_draft_model_path,
             speculative_draft_kv_cache_dtype=a.speculative_draft_kv_cache_dtype,
             speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+            speculative_dspark_block_size=a.speculative_dspark_block_size,
             tp_size=a.tp_size, dp_size=a.dp_size, enable_dp_attention=a.enable_dp_attention,
             attn_cp_size=a.attn_cp_size, mem_fraction_static=a.mem_fraction_static, device=a.device,
             cpu_kv_cache_budget_mb=a.cpu_kv_cache_budget_mb, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,

@@ -65,6 +65,19 @@ _LIVE_FIELDS = {
 }
 
 
+def check_attn_cp_supported(attn_cp_size: int) -> None:
+    """Refuse attention context parallelism, which no sglite model (target or DFLASH/DSPARK draft) implements.
+
+    The layers call this when they resolve their group, and `sglite plan` calls it for a topology with
+    a draft, so both refuse with this one message.
+    """
+    if attn_cp_size > 1:
+        raise ValueError(
+            f"--attn-cp-size {attn_cp_size}: attention context parallelism is not implemented for "
+            "Llama-family models or their DFLASH/DSPARK drafts; use --attn-cp-size 1"
+        )
+
+
 class ParallelState:
     """Configured parallel sizes plus live widths/ranks stamped by ``init_parallel_runtime``."""
 

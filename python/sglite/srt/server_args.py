@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -25,6 +26,7 @@ DEVICES = ("cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+RAGGED_VERIFY_MODES = ("static", "cap-accept")  # SGLang's names (its "compact" packs ragged windows)
 
 
 class ServerArgsError(ValueError):
@@ -35,6 +37,8 @@ def _opt(help: str, default: Any = None, choices: Optional[Sequence[Any]] = None
     meta = {"help": help}
     if choices is not None:
         meta["choices"] = tuple(choices)
+    if "default_factory" in kw:
+        return field(metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
 
 
@@ -98,10 +102,21 @@ class ServerArgs:
     # Speculative decoding.
     speculative_algorithm: Optional[str] = _opt("Speculative decoding algorithm", None, SPECULATIVE_ALGORITHMS)
     speculative_draft_model_path: Optional[str] = _opt("Draft model directory")
-    speculative_num_draft_tokens: Optional[int] = _opt("Block size B (DFLASH/DSPARK); default: the checkpoint's")
+    speculative_num_draft_tokens: Optional[int] = _opt(
+        "Tokens verified per step (DFLASH: the block size B; DSPARK: B+1); default: from the checkpoint's block_size"
+    )
+    speculative_dspark_block_size: Optional[int] = _opt("DSPARK draft block size B; default: the checkpoint's")
     speculative_num_steps: Optional[int] = _opt("Draft steps (EAGLE/STANDALONE)")
     speculative_draft_kv_cache_dtype: Optional[str] = _opt("Draft KV cache dtype; default: --kv-cache-dtype", None, KV_CACHE_DTYPES)
     speculative_draft_attention_backend: Optional[str] = _opt("Draft attention backend; default: --attention-backend", None, ATTENTION_BACKENDS)
+    # SGLang selects the DSPARK verify mode with the environment variable SGLANG_RAGGED_VERIFY_MODE;
+    # sglite reads it as this flag's default (resolved once, here).
+    ragged_verify_mode: str = _opt(
+        "DSPARK verify mode: static (verify every draft) or cap-accept (cut the block where the confidence "
+        "head's predicted acceptance drops below --ragged-verify-cap-threshold); default: $SGLANG_RAGGED_VERIFY_MODE or static",
+        default_factory=lambda: os.environ.get("SGLANG_RAGGED_VERIFY_MODE") or "static",
+    )
+    ragged_verify_cap_threshold: float = _opt("cap-accept: least predicted survival probability of a verified draft", 0.5)
 
     # PD disaggregation.
     disaggregation_mode: str = _opt("Prefill/decode disaggregation role", "null", DISAGGREGATION_MODES)
@@ -175,6 +190,21 @@ class ServerArgs:
             )
         if self.speculative_num_draft_tokens is not None:
             _require(self.speculative_num_draft_tokens >= 1, "--speculative-num-draft-tokens must be >= 1")
+        if self.speculative_dspark_block_size is not None:
+            _require(algo == "DSPARK", "--speculative-dspark-block-size needs --speculative-algorithm DSPARK")
+            _require(self.speculative_dspark_block_size >= 1, "--speculative-dspark-block-size must be >= 1")
+        _require(
+            self.ragged_verify_mode in RAGGED_VERIFY_MODES,
+            f"--ragged-verify-mode (SGLANG_RAGGED_VERIFY_MODE) {self.ragged_verify_mode!r} is unknown; "
+            f"choose one of {list(RAGGED_VERIFY_MODES)}",
+        )
+        _require(
+            self.ragged_verify_mode == "static" or algo == "DSPARK",
+            f"--ragged-verify-mode {self.ragged_verify_mode} needs --speculative-algorithm DSPARK (a confidence head)",
+        )
+        _require(
+            0.0 < self.ragged_verify_cap_threshold < 1.0, "--ragged-verify-cap-threshold must be in (0, 1)"
+        )
         if self.attention_backend == "flashinfer" and self.resolved_device() != "cuda":
             raise ServerArgsError("--attention-backend flashinfer needs CUDA; use triton or torch_native on CPU")
         _require(1 <= self.port <= 65535, f"--port {self.port} is out of range")
@@ -217,7 +247,8 @@ class ServerArgs:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata.get("help", "")
-            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kwargs: dict[str, Any] = {"dest": f.name, "default": default}
             ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             if ftype == "bool":
                 kwargs["action"] = "store_true"
@@ -225,8 +256,8 @@ class ServerArgs:
                 kwargs["type"] = _parse_type(ftype)
                 if "choices" in f.metadata:
                     kwargs["choices"] = f.metadata["choices"]
-            if f.default is not None and ftype != "bool":
-                help_text += f" (default: {f.default})"
+            if default is not None and ftype != "bool":
+                help_text += f" (default: {default})"
             parser.add_argument(flag, help=help_text, **kwargs)
 
     @classmethod

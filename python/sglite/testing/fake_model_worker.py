@@ -20,6 +20,7 @@ import torch
 from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglite.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglite.srt.speculative.dflash_worker import DFlashStepStats
 
 _HASH_MOD = 1_000_003
 
@@ -71,6 +72,8 @@ class FakeModelWorker(BaseModelWorker):
         self.vocab_size = vocab_size
         self.num_decode_tokens_per_req = block_size
         self.is_speculative = block_size > 1
+        self.num_proposed_drafts = block_size - 1  # the DFLASH convention: B-1 drafts, B verified
+        self.last_step: Optional[DFlashStepStats] = None
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, context_len + block_size, "cpu", torch.int64)
         self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(max_total_num_tokens, page_size, "cpu")
         n_slots = max_total_num_tokens + page_size
@@ -136,6 +139,10 @@ class FakeModelWorker(BaseModelWorker):
                 if j == b - 1 or drafts[j] != target:
                     break
             out.append(accepted)
+        if b > 1:
+            self.last_step = DFlashStepStats(
+                accept_lens=[len(a) - 1 for a in out], draft_ids=[], verified_drafts=self.num_proposed_drafts
+            )
         return out
 
 

@@ -187,14 +187,22 @@ def build_tiny_dspark_draft(
     markov_rank: int = 8,
     markov_scale: float = 1.0,
     seed: int = 2,
+    markov_head_type: str = "vanilla",
     enable_confidence_head: bool = False,
     confidence_head_with_markov: bool = False,
+    sample_from_anchor: bool = True,
+    with_embeddings: bool = False,
+    target_dir: Optional[str] = None,
 ) -> str:
-    """Save a DSPARK draft in the public config format: the DFLASH draft's weights + a Markov head.
+    """Save a DSPARK draft in the released layout: the DFLASH draft's weights + Markov / confidence heads.
 
-    Config fields move to the top level (``mask_token_id``, ``target_layer_ids``, ``block_size``,
-    ``markov_rank``); weights add ``markov_w1.weight [V, r]`` (previous-token embedding) and
-    ``markov_w2.weight [V, r]`` (projection to a logit bias). ``markov_scale=0`` zeroes the head.
+    Config fields sit at the top level (``mask_token_id``, ``target_layer_ids``, ``block_size``,
+    ``markov_rank``, ``markov_head_type``, ``sample_from_anchor``, ...). Weights add SGLang 0.5.23's
+    names: ``markov_head.markov_w1.weight [V, r]``, ``markov_head.markov_w2.weight [V, r]``, the
+    gated head's ``markov_head.gate_proj`` / the rnn head's ``markov_head.joint_proj`` (with biases)
+    and ``confidence_head.proj.{weight,bias}``. ``markov_scale=0`` zeroes the Markov bias.
+    ``with_embeddings`` also stores ``embed_tokens`` / ``lm_head`` copies of ``target_dir``'s, as the
+    released checkpoints do.
     """
     from safetensors.torch import load_file, save_file
 
@@ -207,19 +215,36 @@ def build_tiny_dspark_draft(
         target_layer_ids=nested["target_layer_ids"],
         block_size=nested.get("block_size", cfg.get("block_size", 16)),
         markov_rank=markov_rank,
-        markov_head_type="vanilla",
+        markov_head_type=markov_head_type,
         enable_confidence_head=enable_confidence_head,
         confidence_head_with_markov=confidence_head_with_markov,
+        sample_from_anchor=sample_from_anchor,
+        tie_word_embeddings=False,
     )
     cfg.pop("auto_map", None)
     weights = load_file(os.path.join(dflash_draft_dir, "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
-    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
-    weights["markov_w1.weight"] = torch.randn(vocab, markov_rank, generator=g) * markov_scale
-    weights["markov_w2.weight"] = torch.randn(vocab, markov_rank, generator=g) * markov_scale
+    vocab, hidden, r = cfg["vocab_size"], cfg["hidden_size"], markov_rank
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    weights["markov_head.markov_w1.weight"] = rand(vocab, r, scale=markov_scale)
+    weights["markov_head.markov_w2.weight"] = rand(vocab, r, scale=markov_scale)
+    if markov_head_type == "gated":
+        weights["markov_head.gate_proj.weight"] = rand(r, hidden + r, scale=0.3)
+        weights["markov_head.gate_proj.bias"] = rand(r, scale=0.3)
+    elif markov_head_type == "rnn":
+        weights["markov_head.joint_proj.weight"] = rand(3 * r, 2 * r + hidden, scale=0.3)
+        weights["markov_head.joint_proj.bias"] = rand(3 * r, scale=0.3)
     if enable_confidence_head:
-        width = hidden + (markov_rank if confidence_head_with_markov else 0)
-        weights["confidence_head.weight"] = torch.randn(1, width, generator=g) * 0.1
+        width = hidden + (r if confidence_head_with_markov else 0)
+        weights["confidence_head.proj.weight"] = rand(1, width, scale=0.1)
+        weights["confidence_head.proj.bias"] = rand(1, scale=0.5)
+    if with_embeddings:
+        target = load_file(os.path.join(target_dir, "model.safetensors"))
+        weights["embed_tokens.weight"] = target["model.embed_tokens.weight"]
+        weights["lm_head.weight"] = target.get("lm_head.weight", target["model.embed_tokens.weight"])
     os.makedirs(path, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -109,6 +109,11 @@ def test_matrix_planned_equals_allocated_fits_fills_and_is_aligned():
             speculative_draft_model_path="<in memory>" if algo else None,
         ).validate()
         ctx = f"{target_file} {algo} tp{tp} dp{dp} dpa={dpa} cp{cp} {kv} page{page}"
+        if algo is not None and cp > 1:  # refused as at run time (test_plan_refuses_what_the_runtime_refuses)
+            with pytest.raises(ValueError, match="attention context parallelism is not implemented"):
+                plan_topology(sa, model_config=mc, draft_model_config=draft, device_memory_bytes=DEVICE_GB * GiB)
+            checked += 1
+            continue
         reports = plan_topology(sa, model_config=mc, draft_model_config=draft, device_memory_bytes=DEVICE_GB * GiB)
         assert len(reports) == tp, ctx
         widths = derive_attention_widths(tp, dp, dpa, cp)
@@ -211,3 +216,123 @@ def test_weights_that_do_not_fit_are_reported(capsys):
     rc = main(["--model-path", os.path.join(CONFIGS, "kimi-k2-instruct.json"), "--device-memory-gb", "141"])
     assert rc == 1
     assert "mem-fraction-static" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- plan and runtime refuse alike
+
+
+def _plan_error(capsys, *argv) -> str:
+    """The one-line error `sglite plan` prints (exit status 1)."""
+    assert main(["--model-path", os.path.join(CONFIGS, "qwen3-8b.json"), "--device-memory-gb", "141", *argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sglite plan: error: ")
+    return err[len("sglite plan: error: "):]
+
+
+def _write_draft(tmp_path, name, **changes) -> str:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(_raw("dspark-qwen3-8b-block7.json"), **changes)))
+    return str(d)
+
+
+def test_plan_refuses_cp_with_a_draft_as_the_runtime_does(capsys):
+    from sglite.srt.models.llama import model_tp_group
+    from sglite.srt.runtime_context import ParallelState, scoped
+
+    draft = os.path.join(CONFIGS, "dspark-qwen3-8b-block7.json")
+    planned = _plan_error(capsys, "--tp-size", "4", "--attn-cp-size", "2",
+                          "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", draft)
+    with scoped(parallel=ParallelState(tp_size=4, attn_cp_size=2)):
+        with pytest.raises(ValueError) as runtime:
+            model_tp_group()  # every target and draft layer resolves its group here
+    assert planned == str(runtime.value) and "--attn-cp-size 2" in planned
+
+
+def test_plan_refuses_kv_heads_the_width_cannot_shard_as_the_runtime_does(capsys, tmp_path):
+    from types import SimpleNamespace
+
+    from sglite.srt.layers.linear import QKVParallelLinear
+
+    draft = _write_draft(tmp_path, "kv3", num_key_value_heads=3)
+    planned = _plan_error(capsys, "--tp-size", "2", "--speculative-algorithm", "DSPARK",
+                          "--speculative-draft-model-path", draft)
+    with pytest.raises(ValueError) as runtime:  # the draft's attention at attn_tp 2, as a rank builds it
+        QKVParallelLinear(4096, 128, 32, 3, tp_group=SimpleNamespace(world_size=2, rank_in_group=0))
+    assert planned == str(runtime.value) and "num_key_value_heads = 3" in planned
+    # Heads the width divides, or a width the heads divide (one replicated head), still plan.
+    for tp in ("4", "16"):
+        assert main(["--model-path", os.path.join(CONFIGS, "qwen3-8b.json"), "--device-memory-gb", "141",
+                     "--tp-size", tp, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path",
+                     os.path.join(CONFIGS, "dspark-qwen3-8b-block7.json"), "--json"]) == 0
+        capsys.readouterr()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from sglite.testing.tiny_dflash import build_tiny_dflash_draft, build_tiny_target
+
+    d = tmp_path_factory.mktemp("refusals")
+    target = build_tiny_target(str(d / "target"), seed=0, num_layers=2)
+    return target, build_tiny_dflash_draft(str(d / "dflash"), target, seed=1)
+
+
+def _runtime_error(target_dir, algo, draft_dir) -> str:
+    """What starting a speculative worker on one CPU rank raises."""
+    from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
+    from sglite.srt.runtime_context import ParallelState, scoped
+    from sglite.srt.speculative.dflash_worker import create_dflash_worker
+
+    args = ServerArgs(model_path=target_dir, speculative_algorithm=algo, speculative_draft_model_path=draft_dir,
+                      dtype="float32", device="cpu", cpu_kv_cache_budget_mb=4, context_length=64).validate()
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            with pytest.raises(ValueError) as e:
+                create_dflash_worker(args)
+        finally:
+            destroy_parallel_runtime()
+    return str(e.value)
+
+
+def _plan_tiny(capsys, target_dir, algo, draft_dir) -> str:
+    assert main(["--model-path", target_dir, "--device", "cpu", "--speculative-algorithm", algo,
+                 "--speculative-draft-model-path", draft_dir]) == 1
+    return capsys.readouterr().err.strip().removeprefix("sglite plan: error: ")
+
+
+def test_plan_refuses_a_dspark_run_on_a_dflash_draft_as_the_runtime_does(capsys, tiny_pair):
+    target, dflash = tiny_pair
+    planned = _plan_tiny(capsys, target, "DSPARK", dflash)
+    assert planned == _runtime_error(target, "DSPARK", dflash)
+    assert "--speculative-algorithm DSPARK but the draft checkpoint" in planned and "DFLASH draft" in planned
+
+
+def test_plan_refuses_a_nonsense_draft_dtype_as_the_runtime_does(capsys, tiny_pair, tmp_path):
+    import shutil
+
+    target, dflash = tiny_pair
+    bad = tmp_path / "bad_dtype"
+    shutil.copytree(dflash, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    raw["dtype"] = raw["torch_dtype"] = "float99"
+    (bad / "config.json").write_text(json.dumps(raw))
+    planned = _plan_tiny(capsys, target, "DFLASH", str(bad))
+    assert planned == _runtime_error(target, "DFLASH", str(bad))
+    assert "'float99' is not a known weight dtype" in planned
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_dspark_draft_weight_estimate_counts_its_own_heads(one_rank, head_type):
+    """The estimate equals the bytes of the draft as sglite builds it (on meta), norms aside."""
+    import torch
+
+    from sglite.srt.models.dspark import DSparkDraftModel
+    from sglite.srt.planner import estimate_draft_weight_bytes_per_rank
+
+    cfg = ModelConfig.from_dict(dict(_raw("dspark-qwen3-8b-block7.json"), markov_head_type=head_type), path="<d>")
+    with torch.device("meta"):
+        model = DSparkDraftModel(cfg, params_dtype=torch.bfloat16)
+    built = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n)
+    assert estimate_draft_weight_bytes_per_rank(cfg, "DSPARK", 1, 1) == built
+    heads = sum(p.numel() * 2 for n, p in model.named_parameters() if n.startswith(("markov_head", "confidence")))
+    assert heads >= 2 * 151936 * 256 * 2  # markov_w1 + markov_w2 are counted

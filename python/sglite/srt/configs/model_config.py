@@ -68,6 +68,38 @@ class DraftSpec:
     markov_rank: int = 0
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    # speculators' ``sample_from_anchor``: block slot k predicts token p+k+1 (B drafts, B+1 verified);
+    # False is the DFlash convention, slot k predicts p+k (slots 1..B-1: B-1 drafts, B verified).
+    sample_from_anchor: bool = False
+
+    @property
+    def num_proposed_drafts(self) -> int:
+        """Draft tokens one block proposes at the checkpoint's block size."""
+        return draft_tokens_per_block(self.block_size, self.sample_from_anchor)
+
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+def kv_heads_per_rank(total_kv_heads: int, attn_tp_size: int) -> int:
+    """KV heads on one rank of an attention-TP group: split when the width divides them, else one head
+    replicated when they divide the width; anything else is refused (the plan and the layers call this)."""
+    if attn_tp_size < 1:
+        raise ValueError(f"attn_tp_size must be >= 1, got {attn_tp_size}")
+    if total_kv_heads % attn_tp_size == 0:
+        return total_kv_heads // attn_tp_size
+    if attn_tp_size % total_kv_heads == 0:
+        return 1
+    raise ValueError(
+        f"num_key_value_heads = {total_kv_heads} cannot be sharded over attention-TP width {attn_tp_size}: "
+        "the width must divide the KV heads or be a multiple of them; change --tp-size / --dp-size"
+    )
+
+
+def draft_tokens_per_block(block_size: int, sample_from_anchor: bool) -> int:
+    """Drafts a block of ``block_size`` slots proposes: B from the anchor on, or B-1 (slots 1..B-1)."""
+    return int(block_size) if sample_from_anchor else int(block_size) - 1
 
 
 @dataclass
@@ -109,14 +141,11 @@ class ModelConfig:
     # ---------------------------------------------------------------- geometry
     def get_num_kv_heads(self, attn_tp_size: int) -> int:
         """KV heads one rank stores at this attention-TP width; heads replicate past the total."""
-        if attn_tp_size < 1:
-            raise ValueError(f"attn_tp_size must be >= 1, got {attn_tp_size}")
-        return max(1, self.num_key_value_heads // attn_tp_size)
+        return kv_heads_per_rank(self.num_key_value_heads, attn_tp_size)
 
     def get_swa_num_kv_heads(self, attn_tp_size: int) -> int:
         """KV heads per rank of sliding-window layers (they may differ from full layers)."""
-        total = self.swa_num_key_value_heads or self.num_key_value_heads
-        return max(1, total // attn_tp_size)
+        return kv_heads_per_rank(self.swa_num_key_value_heads or self.num_key_value_heads, attn_tp_size)
 
     def layer_ids(self, kind: AttentionKind) -> list[int]:
         """Indices of the layers of one attention kind."""
@@ -165,20 +194,26 @@ class ModelConfig:
 # ==================================================================== parsing
 
 
+_DTYPE_ALIASES = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+}
+
+
 def _dtype_of(raw: dict[str, Any], text: dict[str, Any]) -> str:
+    """The checkpoint's weight dtype; an unknown name is an error (never silently bf16)."""
     for d in (text, raw):
         for key in ("dtype", "torch_dtype"):
             v = d.get(key)
-            if isinstance(v, str):
-                v = v.replace("torch.", "")
-                if v in ("bfloat16", "float16", "float32"):
-                    return v
-                if v in ("bf16",):
-                    return "bfloat16"
-                if v in ("fp16", "half"):
-                    return "float16"
-                if v in ("fp32", "float"):
-                    return "float32"
+            if v is None:
+                continue
+            name = str(v).replace("torch.", "")
+            if name not in _DTYPE_ALIASES:
+                raise ModelConfigError(
+                    f"config.json {key} {v!r} is not a known weight dtype; expected one of {sorted(_DTYPE_ALIASES)}"
+                )
+            return _DTYPE_ALIASES[name]
     # gpt-oss ships no dtype: attention and embeddings are bf16 (only experts are MXFP4).
     return "bfloat16"
 
@@ -277,6 +312,11 @@ def _draft_spec(raw: dict[str, Any], n_layers: int, model_type: str) -> Optional
     markov_rank = int(pick("markov_rank", 0) or 0)
     if algo == "DSPARK" and markov_rank <= 0:
         raise ModelConfigError("DSPARK draft: markov_rank must be > 0")
+    head_type = str(pick("markov_head_type", "vanilla"))
+    if algo == "DSPARK" and head_type not in MARKOV_HEAD_TYPES:
+        raise ModelConfigError(f"DSPARK draft: markov_head_type {head_type!r} is not one of {list(MARKOV_HEAD_TYPES)}")
+    # speculators: DSpark defaults to sampling from the anchor, DFlash to the mask slots only.
+    sample_from_anchor = bool(pick("sample_from_anchor", algo == "DSPARK"))
     return DraftSpec(
         algorithm=algo,
         block_size=int(pick("block_size", 16)),
@@ -284,8 +324,10 @@ def _draft_spec(raw: dict[str, Any], n_layers: int, model_type: str) -> Optional
         target_layer_ids=[int(i) for i in target_layer_ids],
         num_target_layers=None if num_target_layers is None else int(num_target_layers),
         markov_rank=markov_rank,
-        markov_head_type=str(pick("markov_head_type", "vanilla")),
+        markov_head_type=head_type,
         enable_confidence_head=bool(pick("enable_confidence_head", False)),
+        confidence_head_with_markov=bool(pick("confidence_head_with_markov", markov_rank > 0)),  # speculators default
+        sample_from_anchor=sample_from_anchor,
     )
 
 

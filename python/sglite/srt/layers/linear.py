@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglite.srt.configs.model_config import kv_heads_per_rank
 from sglite.srt.distributed.parallel_state import GroupCoordinator
 from sglite.srt.layers.utils import bind_tp_group, check_full_shape, divide, new_weight_matrix, resolve_tp_group
 
@@ -154,14 +155,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
-        if tp >= total_num_kv_heads:
-            # More ranks than KV heads: each rank holds one head, shared by tp / kv ranks.
-            divide(tp, total_num_kv_heads, "tp_size over num_key_value_heads (KV-head replication)")
-            self.num_kv_heads = 1
-            self.num_kv_head_replicas = tp // total_num_kv_heads
-        else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp, "num_key_value_heads")
-            self.num_kv_head_replicas = 1
+        # The memory plan prices the pool with the same rule (one head replicated when ranks outnumber heads).
+        self.num_kv_heads = kv_heads_per_rank(total_num_kv_heads, tp)
+        self.num_kv_head_replicas = max(1, tp // total_num_kv_heads)
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
         self.v_size = self.num_kv_heads * self.v_head_size

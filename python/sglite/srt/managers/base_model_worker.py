@@ -22,7 +22,11 @@ class BaseModelWorker(ABC):
     """What the scheduler needs from a model worker (TpModelWorker, DFlashWorker, test fakes)."""
 
     is_speculative: bool = False
-    num_decode_tokens_per_req: int = 1  # slots allocated per request per decode step (1, or B for spec)
+    num_decode_tokens_per_req: int = 1  # slots allocated per request per decode step (1, or the verify width)
+    # Speculative workers: drafts one verify proposes, and the last decode step's DFlashStepStats
+    # (``verified_drafts`` is fewer than ``num_proposed_drafts`` when cap-accept trimmed the block).
+    num_proposed_drafts: int = 0
+    last_step: Optional[Any] = None
     # True when the worker fills ``batch.next_token_logprobs`` for return_logprob batches.
     supports_logprobs: bool = False
     # The runners (ModelRunner); test fakes have none. The draft runner shares the target's pools' slots.

@@ -157,7 +157,7 @@ class DetokenizerManager:
     def handle(self, out: BatchTokenIDOut) -> Optional[BatchStrOut]:
         """Turn one scheduler output into text deltas (None when nothing is left to send)."""
         rids, strs, ids, reasons = [], [], [], []
-        prompt, completion, cached, verify, logprobs = [], [], [], [], []
+        prompt, completion, cached, verify, cap, logprobs = [], [], [], [], [], []
         for i, rid in enumerate(out.rids):
             sched_reason = out.finished_reasons[i]
             if rid in self.ended_here:
@@ -186,6 +186,7 @@ class DetokenizerManager:
             completion.append(completion_tokens)
             cached.append(out.cached_tokens[i])
             verify.append(out.spec_verify_ct[i])
+            cap.append(out.spec_cap_length[i] if out.spec_cap_length is not None else None)
             if out.output_token_logprobs is not None:
                 lp = out.output_token_logprobs[i]
                 logprobs.append(None if lp is None else lp[: len(delta.ids)])
@@ -193,7 +194,7 @@ class DetokenizerManager:
             return None
         return BatchStrOut(
             rids=rids, output_strs=strs, output_ids=ids, finished_reasons=reasons, prompt_tokens=prompt,
-            completion_tokens=completion, cached_tokens=cached, spec_verify_ct=verify,
+            completion_tokens=completion, cached_tokens=cached, spec_verify_ct=verify, spec_cap_length=cap,
             output_token_logprobs=logprobs if out.output_token_logprobs is not None else None,
         )
 

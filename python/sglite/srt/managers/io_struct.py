@@ -245,6 +245,8 @@ class BatchTokenIDOut:
     skip_special_tokens: list[bool]
     stop_strs: list[list[str]]
     output_token_logprobs: Optional[list[Optional[list[float]]]] = None
+    # cap-accept: mean drafts verified per verify forward, once a block of the request was trimmed (else None).
+    spec_cap_length: Optional[list[Optional[float]]] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +266,8 @@ class BatchStrOut:
     cached_tokens: list[int]
     spec_verify_ct: list[int]
     output_token_logprobs: Optional[list[Optional[list[float]]]] = None
+    # cap-accept: mean drafts verified per verify forward, once a block of the request was trimmed (else None).
+    spec_cap_length: Optional[list[Optional[float]]] = None
 
 
 # ---------------------------------------------------------------------------------------------

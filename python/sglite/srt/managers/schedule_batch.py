@@ -49,6 +49,8 @@ class Req:
     sent_len: int = 0  # output tokens already sent to the detokenizer
     spec_verify_ct: int = 0  # target verify forwards (speculative decoding)
     spec_accepted_tokens: int = 0  # tokens produced by those verify forwards (accepted drafts + bonus)
+    spec_verified_drafts: int = 0  # drafts those verify forwards scored (fewer than proposed when capped)
+    spec_capped_ct: int = 0  # verify forwards the cap-accept mode trimmed
     arrival_time: float = field(default_factory=time.monotonic)
 
     # PD disaggregation: where the prefill node's bootstrap server is and which room pairs the nodes.

@@ -55,6 +55,9 @@ class SchedulerOutputProcessorMixin:
                 # Count what the request keeps: a stop inside the accepted run discards the rest.
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += kept
+                step = self.worker.last_step
+                req.spec_verified_drafts += step.verified_drafts
+                req.spec_capped_ct += int(step.verified_drafts < self.worker.num_proposed_drafts)
                 self.spec_verify_total += 1
                 self.spec_accepted_total += kept
             self._record_logprobs(req, batch, i, kept)
@@ -132,6 +135,9 @@ class SchedulerOutputProcessorMixin:
             completion_tokens=[len(r.output_ids) for r in reqs],
             cached_tokens=[r.cached_tokens for r in reqs],
             spec_verify_ct=[r.spec_verify_ct for r in reqs],
+            spec_cap_length=[
+                r.spec_verified_drafts / r.spec_verify_ct if r.spec_capped_ct else None for r in reqs
+            ],
             skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
             stop_strs=[list(r.sampling_params.stop) for r in reqs],
             output_token_logprobs=(

@@ -74,6 +74,7 @@ class ReqState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     spec_verify_ct: int = 0
+    spec_cap_length: Optional[float] = None
     output_token_logprobs: Optional[list[float]] = None
     first_token_time: Optional[float] = None
 
@@ -312,6 +313,8 @@ class TokenizerManager:
         if st.spec_verify_ct > 0:
             meta["spec_verify_ct"] = st.spec_verify_ct
             meta["spec_accept_length"] = st.completion_tokens / st.spec_verify_ct
+        if st.spec_cap_length is not None:
+            meta["spec_cap_length"] = st.spec_cap_length
         if st.output_token_logprobs is not None:
             # SGLang's shape: [logprob, token_id, token_text]; text is not requested here, so None.
             meta["output_token_logprobs"] = [
@@ -412,6 +415,8 @@ class TokenizerManager:
             st.completion_tokens = out.completion_tokens[i]
             st.cached_tokens = out.cached_tokens[i]
             st.spec_verify_ct = out.spec_verify_ct[i]
+            if out.spec_cap_length is not None and out.spec_cap_length[i] is not None:
+                st.spec_cap_length = out.spec_cap_length[i]
             if out.output_token_logprobs is not None and out.output_token_logprobs[i] is not None:
                 st.output_token_logprobs = (st.output_token_logprobs or []) + list(out.output_token_logprobs[i])
             reason = out.finished_reasons[i]

@@ -217,16 +217,10 @@ class KVCacheConfigurator:
         return budget_bytes
 
     def _num_draft_tokens(self) -> int:
-        sa, aux = self.server_args, self.spec_aux_config
-        if not aux.has_draft:
+        """Verify columns a decode step writes past the context (the resolver's verify width; 0 on a PD prefill node)."""
+        if self.server_args.disaggregation_mode == "prefill":  # PD: a prefill node never verifies
             return 0
-        if sa.disaggregation_mode == "prefill":  # PD: a prefill node never verifies, so no verify-block columns
-            return 0
-        if sa.speculative_num_draft_tokens is not None:
-            return int(sa.speculative_num_draft_tokens)
-        if aux.algorithm in DFLASH_FAMILY:
-            return int(aux.draft_model_config.draft.block_size)
-        return int(sa.speculative_num_steps or 1) + 1
+        return self.spec_aux_config.num_verify_tokens
 
     # ---------------------------------------------------------------- configure
     def configure(

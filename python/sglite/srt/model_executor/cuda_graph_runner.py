@@ -230,15 +230,6 @@ class CudaGraphPlan:
     reason: str = ""
 
 
-def _dflash_block_size(server_args: Any, draft_model_config: Any) -> int:
-    """B, as DFlashWorker resolves it: --speculative-num-draft-tokens, else the draft checkpoint's block_size."""
-    if server_args.speculative_num_draft_tokens is not None:
-        return int(server_args.speculative_num_draft_tokens)
-    if draft_model_config is None or draft_model_config.draft is None:
-        raise ValueError("DFLASH CUDA graphs need the draft's block size: set --speculative-num-draft-tokens")
-    return int(draft_model_config.draft.block_size)
-
-
 def plan_cuda_graphs(
     server_args: Any,
     *,
@@ -271,13 +262,13 @@ def plan_cuda_graphs(
     max_bs = min(int(server_args.cuda_graph_max_bs), int(max_running_requests))
     sizes = tuple(capture_batch_sizes(max_bs))
     algo = server_args.speculative_algorithm
+    # B and the verify width come from the spec config (resolve_block_geometry), never re-derived here.
     if is_draft:
-        block = _dflash_block_size(server_args, model_config)
-        return CudaGraphPlan(specs=(CudaGraphSpec(ForwardMode.DRAFT_BLOCK, block, sizes),))
+        return CudaGraphPlan(specs=(CudaGraphSpec(ForwardMode.DRAFT_BLOCK, spec_aux_config.draft_block_size, sizes),))
     if algo in ("DFLASH", "DSPARK"):
-        block = _dflash_block_size(server_args, getattr(spec_aux_config, "draft_model_config", None))
         layers = tuple(int(i) for i in spec_aux_config.target_layer_ids)
-        return CudaGraphPlan(specs=(CudaGraphSpec(ForwardMode.TARGET_VERIFY, block, sizes, layers),))
+        spec = CudaGraphSpec(ForwardMode.TARGET_VERIFY, spec_aux_config.num_verify_tokens, sizes, layers)
+        return CudaGraphPlan(specs=(spec,))
     return CudaGraphPlan(specs=(CudaGraphSpec(ForwardMode.DECODE, 1, sizes),))
 
 

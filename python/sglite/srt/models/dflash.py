@@ -11,6 +11,7 @@ vector with its own k/v projection (k_norm, then RoPE at the token's position) i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -30,7 +31,7 @@ from sglite.srt.model_loader.weight_utils import (
     expected_loads,
     load_named_weights,
 )
-from sglite.srt.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, model_tp_group
+from sglite.srt.models.llama import LlamaAttention, LlamaMLP, model_tp_group
 
 
 class DFlashAttention(LlamaAttention):
@@ -85,6 +86,19 @@ class DFlashDecoderLayer(nn.Module):
         """h + attn(norm(h)), then + mlp(norm(.))."""
         h = hidden + self.self_attn(positions, self.input_layernorm(hidden), forward_batch)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class DraftProposal:
+    """One block's drafts per request and, for a DSPARK draft with a confidence head, their acceptance logits."""
+
+    ids: torch.Tensor  # [bs, n] drafts, n = draft_tokens_per_block(B, sample_from_anchor)
+    confidence_logits: Optional[torch.Tensor] = None  # [bs, n] fp32
+
+
+# Names the draft takes from the target: speculators reloads embed_tokens from the verifier and uses the
+# verifier's lm_head for a full-vocabulary draft, and SGLang skips both; checkpoint copies are dropped.
+TARGET_OWNED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
 class DFlashDraftModel(nn.Module):
@@ -213,19 +227,43 @@ class DFlashDraftModel(nn.Module):
         hidden = self.block_hidden(input_ids, positions, forward_batch)
         return LogitsProcessorOutput(next_token_logits=self.compute_logits(hidden), hidden_states=hidden)
 
-    def propose_drafts(self, out: LogitsProcessorOutput, forward_batch: ForwardBatch, block_size: int) -> torch.Tensor:
-        """Drafts [bs, B-1]: argmax of the target LM head over block rows 1..B-1 (logits gathered under TP)."""
+    def propose_drafts(self, out: LogitsProcessorOutput, forward_batch: ForwardBatch, block_size: int) -> DraftProposal:
+        """Drafts: argmax of the target LM head over block rows 1..B-1 (0..B-1 with sample_from_anchor)."""
         logits = out.next_token_logits.reshape(forward_batch.batch_size, block_size, -1)
-        return logits[:, 1:].argmax(dim=-1)
+        first = 0 if self.draft_spec.sample_from_anchor else 1
+        return DraftProposal(ids=logits[:, first:].argmax(dim=-1))
 
     # ------------------------------------------------------------------ weights
     # checkpoint name fragment -> (fused parameter fragment, shard id): the draft layers fuse q/k/v and
-    # gate/up exactly as the Llama-family targets do.
-    stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
+    # gate/up as the Llama-family targets do, matched with their module (DSPARK's
+    # ``markov_head.gate_proj`` is not an MLP gate).
+    stacked_params_mapping = (
+        (".self_attn.q_proj", ".self_attn.qkv_proj", "q"),
+        (".self_attn.k_proj", ".self_attn.qkv_proj", "k"),
+        (".self_attn.v_proj", ".self_attn.qkv_proj", "v"),
+        (".mlp.gate_proj", ".mlp.gate_up_proj", 0),
+        (".mlp.up_proj", ".mlp.gate_up_proj", 1),
+    )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load public DFLASH names (layers.*, fc, hidden_norm, norm); an unknown or missing tensor is an error."""
-        loaded = load_named_weights(self, weights, self.stacked_params_mapping)
+        """Load the draft's own tensors; an unknown or missing tensor is an error naming it.
+
+        ``embed_tokens`` / ``lm_head`` copies (released DSPARK checkpoints ship them) must have the
+        full-vocabulary shape and are dropped: the draft uses the target's (see TARGET_OWNED_TENSORS).
+        """
+        full = (self.config.vocab_size, self.config.hidden_size)
+
+        def own(named: Iterable[tuple[str, torch.Tensor]]):
+            for name, tensor in named:
+                if name not in TARGET_OWNED_TENSORS:
+                    yield name, tensor
+                elif tuple(tensor.shape) != full:
+                    raise WeightLoadingError(
+                        f"draft checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, not the full vocabulary "
+                        f"{full}: reduced-vocabulary drafts (d2t/t2d) are not supported"
+                    )
+
+        loaded = load_named_weights(self, own(weights), self.stacked_params_mapping)
         missing = expected_loads(self, self.stacked_params_mapping) - loaded
         if missing:
             names = describe_missing(missing, self.stacked_params_mapping)

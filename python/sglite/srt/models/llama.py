@@ -28,7 +28,7 @@ from sglite.srt.layers.rotary_embedding import get_rope
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch
 from sglite.srt.model_loader.weight_utils import WeightLoadingError, load_named_weights
-from sglite.srt.runtime_context import get_parallel
+from sglite.srt.runtime_context import check_attn_cp_supported, get_parallel
 
 
 def model_tp_group() -> GroupCoordinator:
@@ -39,11 +39,7 @@ def model_tp_group() -> GroupCoordinator:
     whole TP group (``model_mlp_group``) with a token exchange across attention-DP groups.
     Attention context parallelism (sequence split over ranks) is not implemented: a clear error.
     """
-    if get_parallel().attn_cp_size > 1:
-        raise ValueError(
-            f"--attn-cp-size {get_parallel().attn_cp_size}: attention context parallelism is not implemented "
-            "for Llama-family models; use --attn-cp-size 1"
-        )
+    check_attn_cp_supported(get_parallel().attn_cp_size)
     return get_attn_tp_group()
 
 

@@ -4,11 +4,13 @@ Prefill: the target runs EXTEND with aux capture at the draft's ``target_layer_i
 features are written at once as draft context K/V at the target's slots (so any prefix the radix
 cache later shares has valid draft KV), and the first token is sampled.
 
-Decode, per request with K/V length P, newest token c and B slots ``S`` the scheduler allocated at
-positions ``[P, P+B)``:
-1. draft DRAFT_BLOCK forward of ``[c, MASK x (B-1)]`` in ``S`` (the draft pool's entries there are
-   temporary), drafts from the target LM head over rows 1..B-1;
-2. target TARGET_VERIFY of ``[c, d1 .. d_{B-1}]`` in ``S`` with aux capture;
+Decode, per request with K/V length P, newest token c, n drafts per block (DFLASH: B-1; DSPARK
+with ``sample_from_anchor``: B; resolved once in the spec config) and W = n + 1 slots ``S`` the
+scheduler allocated at positions ``[P, P+W)``:
+1. draft DRAFT_BLOCK forward of ``[c, MASK x (B-1)]`` in ``S[:B]`` (the draft pool's entries there are
+   temporary), n drafts from the target LM head (DSPARK: plus the Markov bias, left to right);
+2. target TARGET_VERIFY of ``[c, d1 .. d_n]`` in ``S`` with aux capture (``cap-accept``: cut to the
+   batch's longest prefix the confidence head still expects accepted, see ``_cap_width``);
 3. accept (greedy prefix or lossless sampling) ``a`` drafts plus a bonus token;
 4. the features of the ``a + 1`` committed inputs ``[c, d1..d_a]`` overwrite the draft pool at
    ``S[:a+1]`` as context K/V. The scheduler keeps K/V length ``P + a + 1`` (fewer if a stop hits)
@@ -29,18 +31,31 @@ from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
-from sglite.srt.speculative.dflash_utils import BlockVerifyResult, greedy_verify, sampling_verify, verify_probs
+from sglite.srt.speculative.dflash_utils import (
+    BlockVerifyResult,
+    committed_tokens,
+    greedy_verify,
+    sampling_verify,
+    verify_probs,
+)
 from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
 
 logger = logging.getLogger(__name__)
 
 
+# SGLang's ragged-verify modes (SGLANG_RAGGED_VERIFY_MODE): ``static`` verifies every draft;
+# ``cap-accept`` cuts the verified block where the confidence head's predicted acceptance drops below
+# the threshold. (SGLang's ``compact`` packs per-request windows; sglite's verify forward is uniform.)
+RAGGED_VERIFY_MODES = ("static", "cap-accept")
+
+
 @dataclass
 class DFlashStepStats:
-    """What the last decode step did (for tests and logs)."""
+    """What the last decode step did (for tests, logs and meta_info)."""
 
-    accept_lens: list[int]  # drafts accepted per request (0 .. B-1)
-    draft_ids: list[list[int]]  # the B-1 drafts per request
+    accept_lens: list[int]  # drafts accepted per request (0 .. n)
+    draft_ids: list[list[int]]  # the n drafts per request
+    verified_drafts: int = 0  # drafts the target verified per request this step (n, or fewer when capped)
 
 
 def create_dflash_worker(
@@ -62,15 +77,10 @@ def create_dflash_worker(
         server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method, dp_rank=dp_rank
     )
     draft = ModelRunner(server_args, is_draft=True, target_runner=target)
-    algo = draft.model_config.draft.algorithm if draft.model_config.draft is not None else None
-    if algo != server_args.speculative_algorithm:
-        raise ValueError(
-            f"--speculative-algorithm {server_args.speculative_algorithm} but the draft checkpoint is a {algo} draft "
-            f"(architectures {draft.model_config.architectures})"
-        )
+    # The target's resolver already checked that the draft checkpoint is of --speculative-algorithm.
     return DFlashWorker(
-        target, draft, block_size=server_args.speculative_num_draft_tokens, random_seed=server_args.random_seed,
-        prefill_only=server_args.disaggregation_mode == "prefill",
+        target, draft, random_seed=server_args.random_seed, prefill_only=server_args.disaggregation_mode == "prefill",
+        ragged_verify_mode=server_args.ragged_verify_mode, cap_threshold=server_args.ragged_verify_cap_threshold,
     )
 
 
@@ -87,10 +97,11 @@ class DFlashWorker(BaseModelWorker):
         target_runner: Any,
         draft_runner: Any,
         *,
-        block_size: Optional[int] = None,
         random_seed: int = 0,
         context_len: Optional[int] = None,
         prefill_only: bool = False,
+        ragged_verify_mode: str = "static",
+        cap_threshold: float = 0.5,
     ) -> None:
         self._init_from_target(target_runner)
         self.draft_runner = draft_runner
@@ -104,16 +115,26 @@ class DFlashWorker(BaseModelWorker):
         self.draft_model.attach_target_head(
             self.target_model.get_embed_tokens(), self.target_model.get_lm_head(), self.target_model.logits_processor
         )
-        ckpt_block = int(self.draft_model.block_size)
-        self.block_size = int(block_size) if block_size is not None else ckpt_block
-        if self.block_size < 2:
-            raise ValueError(f"--speculative-num-draft-tokens must be >= 2 for DFLASH, got {self.block_size}")
-        if self.block_size != ckpt_block:
+        # B and the drafts per verify are resolved once, into the spec config (resolve_block_geometry).
+        aux = target_runner.spec_aux_config
+        self.block_size = int(aux.draft_block_size)
+        # Drafts one verify proposes: B for DSPARK with sample_from_anchor, B-1 for DFLASH.
+        self.num_proposed_drafts = int(aux.num_proposed_drafts)
+        if self.block_size != int(self.draft_model.block_size):
             logger.warning(
-                "--speculative-num-draft-tokens %d differs from the draft checkpoint's block_size %d",
+                "draft block size %d differs from the draft checkpoint's block_size %d",
                 self.block_size,
-                ckpt_block,
+                self.draft_model.block_size,
             )
+        if ragged_verify_mode not in RAGGED_VERIFY_MODES:
+            raise ValueError(f"ragged verify mode {ragged_verify_mode!r} is not one of {list(RAGGED_VERIFY_MODES)}")
+        if ragged_verify_mode == "cap-accept" and getattr(self.draft_model, "confidence_head", None) is None:
+            raise ValueError(
+                "SGLANG_RAGGED_VERIFY_MODE=cap-accept needs a DSPARK draft with a confidence head "
+                "(enable_confidence_head); use static"
+            )
+        self.ragged_verify_mode = ragged_verify_mode
+        self.cap_threshold = float(cap_threshold)
         self.mask_token_id = int(self.draft_model.mask_token_id)
         self.capture_layers = list(self.draft_model.target_layer_ids)
         self.vocab_size = int(self.target_model.config.vocab_size)
@@ -123,19 +144,20 @@ class DFlashWorker(BaseModelWorker):
         if draft_runner.req_to_token_pool is not self.req_to_token_pool:
             raise ValueError("the draft runner must share the target's req_to_token pool (one slot row per request)")
         plan = target_runner.memory_pool_config
-        # A decode step writes B slots past the K/V length, so rows need B - 1 columns beyond the context.
+        # A decode step writes the verify width W past the K/V length, so rows need W - 1 columns beyond the context.
         row_cols = int(self.req_to_token_pool.req_to_token.shape[1])
         # PD prefill node: no verify block ever runs, so its plan has no verify columns (and no verify scratch).
         self.prefill_only = bool(prefill_only)
         if self.prefill_only and context_len is None:
             context_len = int(plan.context_len)
-        self.context_len = int(context_len) if context_len is not None else row_cols - self.block_size + 1
-        if not self.prefill_only and self.context_len + self.block_size - 1 > row_cols:
+        self.num_decode_tokens_per_req = int(aux.num_verify_tokens)
+        width = self.num_decode_tokens_per_req
+        self.context_len = int(context_len) if context_len is not None else row_cols - width + 1
+        if not self.prefill_only and self.context_len + width - 1 > row_cols:
             raise ValueError(
-                f"context length {self.context_len} + block {self.block_size} - 1 exceeds the req_to_token "
+                f"context length {self.context_len} + verify width {width} - 1 exceeds the req_to_token "
                 f"rows ({row_cols} columns); lower --context-length"
             )
-        self.num_decode_tokens_per_req = self.block_size
         self.sampler = Sampler(seed=random_seed)
         self._verify_generator = torch.Generator(device=self.device).manual_seed(random_seed)
         self.last_step: Optional[DFlashStepStats] = None
@@ -160,43 +182,63 @@ class DFlashWorker(BaseModelWorker):
 
     @torch.no_grad()
     def forward_decode(self, batch: ScheduleBatch) -> list[list[int]]:
-        """One draft block + one target verify per request; 1..B new tokens each."""
+        """One draft block + one target verify per request; 1..n+1 new tokens each."""
         if self.prefill_only:
             raise RuntimeError("a PD prefill node (--disaggregation-mode prefill) never decodes; the decode node does")
-        bs, block = batch.batch_size, self.block_size
-        if any(n != block for n in batch.extend_lens) or batch.out_cache_loc.numel() != bs * block:
-            raise ValueError(f"DFLASH decode needs {block} slots per request, the batch has {batch.extend_lens}")
+        bs, block, width = batch.batch_size, self.block_size, self.num_decode_tokens_per_req
+        if any(n != width for n in batch.extend_lens) or batch.out_cache_loc.numel() != bs * width:
+            raise ValueError(f"DFLASH decode needs {width} slots per request, the batch has {batch.extend_lens}")
         rows = batch.req_pool_indices
         anchors = list(batch.input_ids)
-        slots = batch.out_cache_loc.to(self.device, torch.int64)
+        slots = batch.out_cache_loc.to(self.device, torch.int64).reshape(bs, width)
 
-        # 1. Draft block: [c, MASK x (B-1)] non-causal over context KV; the block K/V are temporary.
+        # 1. Draft block: [c, MASK x (B-1)] non-causal over context KV in the first B slots (temporary K/V).
         draft_items = [(r, p, [c] + [self.mask_token_id] * (block - 1)) for r, p, c in zip(rows, batch.prefix_lens, anchors)]
-        draft_fb = self._forward_batch(ForwardMode.DRAFT_BLOCK, draft_items, self.draft_runner, slots)
-        draft_ids = self.draft_model.propose_drafts(self.draft_runner.forward(draft_fb), draft_fb, block)  # [bs, B-1]
+        draft_fb = self._forward_batch(
+            ForwardMode.DRAFT_BLOCK, draft_items, self.draft_runner, slots[:, :block].reshape(-1)
+        )
+        proposal = self.draft_model.propose_drafts(self.draft_runner.forward(draft_fb), draft_fb, block)
+        draft_ids = proposal.ids  # [bs, n]
 
-        # 2. Target verify of [c, d1 .. d_{B-1}] in the same slots, capturing features.
-        block_ids = torch.cat([torch.tensor(anchors, dtype=torch.int64, device=self.device)[:, None], draft_ids], dim=1)
+        # 2. Target verify of [c, d1 .. d_m] (m = n, or the confidence cap) in the same slots, capturing features.
+        verified = self._cap_width(proposal.confidence_logits) if self.ragged_verify_mode == "cap-accept" else draft_ids.shape[1]
+        w = verified + 1
+        block_ids = torch.cat(
+            [torch.tensor(anchors, dtype=torch.int64, device=self.device)[:, None], draft_ids[:, :verified]], dim=1
+        )
+        verify_slots = slots[:, :w].reshape(-1)
         verify_items = [(r, p, ids) for r, p, ids in zip(rows, batch.prefix_lens, block_ids.tolist())]
         verify_fb = self._forward_batch(
-            ForwardMode.TARGET_VERIFY, verify_items, self.target_runner, slots, capture=self.capture_layers
+            ForwardMode.TARGET_VERIFY, verify_items, self.target_runner, verify_slots, capture=self.capture_layers
         )
         verify_out = self.target_runner.forward(verify_fb)
 
         # 3. Accept.
-        result = self._verify(batch, block_ids, verify_out.next_token_logits.reshape(bs, block, -1))
+        result = self._verify(batch, block_ids, verify_out.next_token_logits.reshape(bs, w, -1))
 
         # 4. Committed inputs [c, d1..d_a] become draft context K/V (radix-safe before the scheduler caches them).
-        keep_flat = (torch.arange(block, device=self.device)[None, :] <= result.accept_lens[:, None]).reshape(-1)
-        self._write_context(verify_out, verify_fb.positions[keep_flat], slots[keep_flat], row_mask=keep_flat)
+        keep_flat = (torch.arange(w, device=self.device)[None, :] <= result.accept_lens[:, None]).reshape(-1)
+        self._write_context(verify_out, verify_fb.positions[keep_flat], verify_slots[keep_flat], row_mask=keep_flat)
 
-        self.last_step = DFlashStepStats(accept_lens=result.accept_lens.tolist(), draft_ids=draft_ids.tolist())
-        out: list[list[int]] = []
-        for i, n in enumerate(result.accept_lens.tolist()):
-            out.append(block_ids[i, 1 : 1 + n].tolist() + [int(result.bonus_ids[i])])
+        self.last_step = DFlashStepStats(
+            accept_lens=result.accept_lens.tolist(), draft_ids=draft_ids.tolist(), verified_drafts=verified
+        )
+        out = committed_tokens(block_ids, result)
         if batch.return_logprob:
-            batch.next_token_logprobs = self._returned_token_logprobs(verify_out.next_token_logits, out, bs, block)
+            batch.next_token_logprobs = self._returned_token_logprobs(verify_out.next_token_logits, out, bs, w)
         return out
+
+    def _cap_width(self, confidence_logits: torch.Tensor) -> int:
+        """Drafts to verify under cap-accept: the longest prefix whose predicted survival stays >= the threshold.
+
+        Slot k's confidence is the head's probability that draft k is accepted given the drafts before
+        it, so the prefix of length m survives with prod_{k<m} sigmoid(logit_k). The verify forward is
+        one uniform block, so the batch verifies the largest such m over its requests (at least one
+        draft); every request may still accept up to m drafts, so output stays exactly the target's.
+        """
+        survival = torch.sigmoid(confidence_logits.float()).cumprod(dim=1)  # [bs, n]
+        keep = (survival >= self.cap_threshold).sum(dim=1)
+        return max(1, int(keep.max()))
 
     @torch.no_grad()
     def forward_idle(self) -> None:

@@ -132,6 +132,7 @@ def _plan(server_args, *, device="cuda", graphs=True, is_draft=False, model_conf
 
 def test_plan_cuda_graphs(pair_dirs):
     from sglite.srt.configs.model_config import ModelConfig
+    from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import SpecAuxHiddenStateConfig
 
     target_dir, draft_dir = pair_dirs
     plain = ServerArgs(model_path=target_dir, device="cuda")
@@ -148,17 +149,15 @@ def test_plan_cuda_graphs(pair_dirs):
 
     spec = ServerArgs(model_path=target_dir, speculative_algorithm="DFLASH", speculative_draft_model_path=draft_dir)
     draft_cfg = ModelConfig.from_path(draft_dir)
-
-    class Aux:
-        target_layer_ids = (1, 2)
-        draft_model_config = draft_cfg
-
-    (verify,) = _plan(spec, aux=Aux()).specs
-    assert (verify.mode, verify.tokens_per_req, verify.capture_aux_hidden_layers) == (ForwardMode.TARGET_VERIFY, BLOCK, (1, 2))
-    (block,) = _plan(spec, is_draft=True, model_config=draft_cfg).specs
+    # The widths come from the spec config's one resolution of B (DSPARK-style: B drafts, B+1 verified).
+    aux = SpecAuxHiddenStateConfig(
+        algorithm="DFLASH", target_layer_ids=(1, 2), draft_block_size=BLOCK, num_proposed_drafts=BLOCK
+    )
+    (verify,) = _plan(spec, aux=aux).specs
+    assert (verify.mode, verify.tokens_per_req, verify.capture_aux_hidden_layers) == (
+        ForwardMode.TARGET_VERIFY, BLOCK + 1, (1, 2))
+    (block,) = _plan(spec, is_draft=True, model_config=draft_cfg, aux=aux).specs
     assert (block.mode, block.tokens_per_req, block.capture_aux_hidden_layers) == (ForwardMode.DRAFT_BLOCK, BLOCK, None)
-    spec.speculative_num_draft_tokens = 8  # the flag wins over the checkpoint, as in DFlashWorker
-    assert _plan(spec, aux=Aux()).specs[0].tokens_per_req == 8
     with pytest.raises(ValueError, match="DECODE graphs take one token"):
         CudaGraphSpec(ForwardMode.DECODE, 2, (1,))
     with pytest.raises(ValueError, match="not EXTEND"):
@@ -264,8 +263,8 @@ def test_dflash_verify_and_draft_block_graphs_equal_eager(pair_dirs, rank0):
     assert graphed_block.next_token_logits.shape == (3 * BLOCK, 512)
     torch.testing.assert_close(graphed_block.next_token_logits, eager_block.next_token_logits, atol=1e-5, rtol=1e-5)
     _assert_only_real_and_pad_slots_changed(draft.token_to_kv_pool, before, block_fb.out_cache_loc, page)
-    drafts = draft.model.propose_drafts(graphed_block, block_fb, BLOCK)
-    assert torch.equal(drafts, draft.model.propose_drafts(eager_block, block_fb, BLOCK))
+    drafts = draft.model.propose_drafts(graphed_block, block_fb, BLOCK).ids
+    assert torch.equal(drafts, draft.model.propose_drafts(eager_block, block_fb, BLOCK).ids)
 
     # Verify [c, d1..d3] in the same slots, capturing the draft's target layers.
     verify_items = [(r, p, [c] + d) for r, p, c, d in zip(rows, prefix, anchors, drafts.tolist())]

@@ -209,7 +209,7 @@ def test_draft_for_another_target():
 
 
 def test_aux_layer_helper():
-    ids, n = _resolve_dflash_aux_hidden_state(ModelConfig.from_dict(_seed_draft_raw()), _target())
+    ids, n = _resolve_dflash_aux_hidden_state("DFLASH", ModelConfig.from_dict(_seed_draft_raw()), _target())
     assert ids == [1, 9, 17, 25, 33] and n == 5
 
 
@@ -235,3 +235,42 @@ def test_module_reads_the_live_width_only():
     # The resolver module must not read tp_size anywhere (the #38202 bug was tp_size=get_parallel().tp_size).
     src = open(sah.__file__).read()
     assert ".tp_size" not in src
+
+
+@pytest.mark.parametrize(
+    "draft_file, algo, flags, expected",
+    [
+        # (B, drafts per verify); the verify width is drafts + 1.
+        ("qwen3-8b-dflash-b16.json", "DFLASH", {}, (16, 15)),
+        ("qwen3-8b-dflash-b16.json", "DFLASH", {"speculative_num_draft_tokens": 8}, (8, 7)),
+        ("dspark-qwen3-8b-block7.json", "DSPARK", {}, (7, 7)),  # sample_from_anchor: B drafts, B+1 verified
+        ("dspark-qwen3-8b-block7.json", "DSPARK", {"speculative_num_draft_tokens": 6}, (5, 5)),
+        ("dspark-qwen3-8b-block7.json", "DSPARK", {"speculative_dspark_block_size": 4}, (4, 4)),
+    ],
+)
+def test_block_is_resolved_once_into_the_spec_config(draft_file, algo, flags, expected):
+    """B lives in the spec config; the KV plan's verify columns and the CUDA-graph widths read it."""
+    from types import SimpleNamespace
+
+    from sglite.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglite.srt.model_executor.cuda_graph_runner import plan_cuda_graphs
+    from sglite.srt.model_executor.forward_batch_info import ForwardMode
+
+    args = _args(algo=algo, device="cuda", **flags)
+    aux = _resolve_at(args, _load(draft_file))
+    assert (aux.draft_block_size, aux.num_proposed_drafts, aux.num_verify_tokens) == (*expected, expected[1] + 1)
+    assert KVCacheConfigurator(args, _target(), aux, model_dtype=torch.bfloat16)._num_draft_tokens() == aux.num_verify_tokens
+    graphs = dict(device_type="cuda", attn_backend=SimpleNamespace(supports_cuda_graph=True), model_config=None,
+                  spec_aux_config=aux, max_running_requests=8)
+    (verify,) = plan_cuda_graphs(args, is_draft=False, **graphs).specs
+    (block,) = plan_cuda_graphs(args, is_draft=True, **graphs).specs
+    assert (verify.mode, verify.tokens_per_req) == (ForwardMode.TARGET_VERIFY, aux.num_verify_tokens)
+    assert (block.mode, block.tokens_per_req) == (ForwardMode.DRAFT_BLOCK, aux.draft_block_size)
+
+
+def test_block_flags_that_disagree_are_refused():
+    with pytest.raises(DraftResolutionError, match="disagrees with block size 4"):
+        _resolve_at(_args(algo="DSPARK", speculative_num_draft_tokens=7, speculative_dspark_block_size=4),
+                    _load("dspark-qwen3-8b-block7.json"))
+    with pytest.raises(DraftResolutionError, match="at least one"):
+        _resolve_at(_args(speculative_num_draft_tokens=1), _load("qwen3-8b-dflash-b16.json"))

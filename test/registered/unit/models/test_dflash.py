@@ -72,8 +72,15 @@ def test_unknown_weight_is_an_error(pair, one_rank):
     _, draft_dir = pair
     model = DFlashDraftModel(ModelConfig.from_path(draft_dir), params_dtype=torch.float32)
     weights = dict(load_file(os.path.join(draft_dir, "model.safetensors")))
+    weights["layers.0.mlp.extra.weight"] = torch.zeros(2, 2)
+    with pytest.raises(WeightLoadingError, match="layers.0.mlp.extra.weight"):
+        model.load_weights(weights.items())
+    weights.pop("layers.0.mlp.extra.weight")
+    # A copy of the target's embedding is dropped (the draft uses the target's); a reduced vocabulary is refused.
     weights["embed_tokens.weight"] = torch.zeros(512, 64)
-    with pytest.raises(WeightLoadingError, match="embed_tokens"):
+    model.load_weights(weights.items())
+    weights["embed_tokens.weight"] = torch.zeros(300, 64)
+    with pytest.raises(WeightLoadingError, match="reduced-vocabulary"):
         model.load_weights(weights.items())
     weights.pop("embed_tokens.weight")
     weights.pop("fc.weight")

@@ -28,7 +28,7 @@ from sglite.testing.tiny_dflash import (
 from sglite.testing.tiny_dflash import reference_block_generate as _reference_block_generate
 
 SUITE = "unit-cpu"
-EST_TIME = 90
+EST_TIME = 105
 
 BLOCK = 4
 
@@ -230,10 +230,26 @@ def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> f
     return float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2.0, dtype=torch.float64), stat / 2.0))
 
 
+def _anchor_dspark(tr, tmp_path, **kw):
+    """A DSPARK draft in the released convention (sample_from_anchor: B drafts, B+1 verified) with a confidence head."""
+    from sglite.testing.tiny_dflash import build_tiny_dspark_draft
+
+    return build_tiny_dspark_draft(
+        str(tmp_path / "dspark_anchor"), tr.draft_dir, markov_rank=8, markov_scale=0.5, markov_head_type="rnn",
+        enable_confidence_head=True, confidence_head_with_markov=True, sample_from_anchor=True, **kw,
+    )
+
+
 @pytest.mark.timeout(600)
-def test_sampling_temperature_1_matches_target_distribution(trained):
-    """Over many seeds the first two generated tokens follow the target-only distribution (chi-square)."""
+@pytest.mark.parametrize("algo", ["DFLASH", "DSPARK"])
+def test_sampling_temperature_1_matches_target_distribution(trained, tmp_path, algo):
+    """Over many seeds the first two generated tokens follow the target-only distribution (chi-square).
+
+    DSPARK: the released convention (B drafts per block) under cap-accept verification.
+    """
     target_dir, tr, target, _ = trained
+    draft_dir = tr.draft_dir if algo == "DFLASH" else _anchor_dspark(tr, tmp_path)
+    extra = {} if algo == "DFLASH" else dict(speculative_algorithm="DSPARK", ragged_verify_mode="cap-accept")
     prompt = tr.prompts[0]
     with torch.no_grad():
         p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
@@ -242,13 +258,14 @@ def test_sampling_temperature_1_matches_target_distribution(trained):
     p2 = p1 @ p2_given_1  # marginal of the second generated token
 
     n = 1500
-    with spec_scheduler(target_dir, tr.draft_dir, max_running_requests=64, cpu_kv_cache_budget_mb=16) as (sched, worker):
-        accepted = []
+    with spec_scheduler(target_dir, draft_dir, max_running_requests=64, cpu_kv_cache_budget_mb=16, **extra) as (sched, worker):
+        accepted, verified = [], []
         orig = worker.forward_decode
 
         def recording(batch):
             out = orig(batch)
             accepted.extend(worker.last_step.accept_lens)
+            verified.append(worker.last_step.verified_drafts)
             return out
 
         worker.forward_decode = recording
@@ -261,6 +278,8 @@ def test_sampling_temperature_1_matches_target_distribution(trained):
     # Both verification paths ran: some first drafts were accepted and some rejected.
     first_draft_accepted = sum(1 for a in accepted if a >= 1)
     assert 0 < first_draft_accepted < len(accepted)
+    if algo == "DSPARK":
+        assert min(verified) < worker.num_proposed_drafts  # the cap cut some blocks
 
 
 def _tp_rank_main(rank: int, world_size: int, init_method: str, target_dir: str, draft_dir: str, prompts, max_new):
@@ -302,8 +321,13 @@ def test_dspark_greedy_is_lossless_and_zeroed_head_equals_dflash(trained, tmp_pa
     from sglite.testing.tiny_dflash import build_tiny_dspark_draft
 
     target_dir, tr, target, draft = trained
-    zero_dir = build_tiny_dspark_draft(str(tmp_path / "dspark0"), tr.draft_dir, markov_rank=8, markov_scale=0.0)
-    markov_dir = build_tiny_dspark_draft(str(tmp_path / "dspark"), tr.draft_dir, markov_rank=8, markov_scale=1.0)
+    # sample_from_anchor=False: the DFlash slot convention, so a zeroed head drafts exactly like DFLASH.
+    zero_dir = build_tiny_dspark_draft(
+        str(tmp_path / "dspark0"), tr.draft_dir, markov_rank=8, markov_scale=0.0, sample_from_anchor=False
+    )
+    markov_dir = build_tiny_dspark_draft(
+        str(tmp_path / "dspark"), tr.draft_dir, markov_rank=8, markov_scale=1.0, sample_from_anchor=False
+    )
     prompts = [tr.prompts[3], tr.prompts[8] + target_greedy(target, tr.prompts[8], 1)] + random_prompts(1, seed=11)
     max_new = 19
     with spec_scheduler(target_dir, zero_dir, speculative_algorithm="DSPARK") as (sched, worker):
@@ -315,6 +339,45 @@ def test_dspark_greedy_is_lossless_and_zeroed_head_equals_dflash(trained, tmp_pa
         ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new)
         assert zero.ids[f"r{i}"] == markov.ids[f"r{i}"] == ref_ids == target_greedy(target, p, max_new)
         assert zero.steps[f"r{i}"][1:] == ref_lens  # zeroed Markov head: exactly the DFLASH drafts
+
+
+def test_dspark_anchor_convention_is_lossless_and_cap_accept_verifies_less(trained, tmp_path):
+    """B drafts and B+1 verified tokens per block; cap-accept trims the verify yet keeps the target's output."""
+    target_dir, tr, target, _ = trained
+    draft_dir = _anchor_dspark(tr, tmp_path)
+    prompts = [tr.prompts[5], tr.prompts[6] + target_greedy(target, tr.prompts[6], 2)] + random_prompts(1, seed=12)
+    max_new = 17
+    runs, verified = {}, {}
+    for mode in ("static", "cap-accept"):
+        with spec_scheduler(target_dir, draft_dir, speculative_algorithm="DSPARK", ragged_verify_mode=mode,
+                            ragged_verify_cap_threshold=0.3) as (sched, worker):
+            assert (worker.block_size, worker.num_proposed_drafts, worker.num_decode_tokens_per_req) == (
+                BLOCK, BLOCK, BLOCK + 1)
+            steps = []
+            orig = worker.forward_decode
+
+            def recording(batch, orig=orig, steps=steps, worker=worker):
+                out = orig(batch)
+                steps.append(worker.last_step.verified_drafts)
+                return out
+
+            worker.forward_decode = recording
+            runs[mode] = generate(sched, prompts, [greedy(max_new)] * len(prompts))
+            verified[mode] = steps
+    for i, p in enumerate(prompts):
+        assert runs["static"].ids[f"r{i}"] == runs["cap-accept"].ids[f"r{i}"] == target_greedy(target, p, max_new)
+    assert set(verified["static"]) == {BLOCK}
+    assert min(verified["cap-accept"]) < BLOCK and sum(verified["cap-accept"]) < sum(verified["static"])
+
+
+def test_cap_accept_needs_a_confidence_head(trained, tmp_path):
+    from sglite.testing.tiny_dflash import build_tiny_dspark_draft
+
+    target_dir, tr, _, _ = trained
+    no_head = build_tiny_dspark_draft(str(tmp_path / "no_conf"), tr.draft_dir, markov_rank=8)
+    with pytest.raises(ValueError, match="confidence head"):
+        with spec_scheduler(target_dir, no_head, speculative_algorithm="DSPARK", ragged_verify_mode="cap-accept"):
+            pass
 
 
 def test_algorithm_must_match_the_draft_checkpoint(trained):
@@ -495,3 +558,23 @@ def test_logprobs_of_accepted_tokens_equal_the_targets_own(trained):
             logits = target(torch.tensor([list(p) + out])).logits[0, len(p) - 1 : -1].float()
         ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(lps[f"lp{i}"]), ref, atol=1e-4, rtol=0)
+
+
+def test_spec_cap_length_in_meta_info_only_when_blocks_were_trimmed(trained, tmp_path):
+    """cap-accept: the scheduler reports the mean drafts verified per step; static reports nothing."""
+    target_dir, tr, _, _ = trained
+    draft_dir = _anchor_dspark(tr, tmp_path)
+    for mode in ("static", "cap-accept"):
+        with spec_scheduler(target_dir, draft_dir, speculative_algorithm="DSPARK", ragged_verify_mode=mode,
+                            ragged_verify_cap_threshold=0.3) as (sched, worker):
+            sched.add_request(TokenizedGenerateReqInput(rid="c", input_text=None, input_ids=tr.prompts[7],
+                                                        sampling_params=greedy(12), stream=False))
+            msgs = []
+            while sched.has_work():
+                msgs.extend(sched.step())
+            (last,) = [m for m in msgs if m.finished_reasons[0] is not None]
+            cap = last.spec_cap_length[0]
+            if mode == "static":
+                assert cap is None
+            else:
+                assert cap is not None and 1 <= cap < worker.num_proposed_drafts

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelConfigError
+from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelConfigError, draft_tokens_per_block
 from sglite.srt.mem_cache.kv_cache_dtype import KVCacheDtypeError, configure_kv_cache_dtype, kv_dtype_bytes
 from sglite.srt.runtime_context import ParallelNotInitializedError, get_parallel
 
@@ -45,6 +45,10 @@ class SpecAuxHiddenStateConfig:
     draft_head_dim: Optional[int] = None
     draft_v_head_dim: Optional[int] = None
     attn_tp_size: Optional[int] = None  # the width the draft was priced at
+    # The one resolution of the block (``resolve_block_geometry``): the draft forward's width B and the
+    # drafts one verify proposes (DSPARK with sample_from_anchor: B; DFLASH: B-1; EAGLE: steps).
+    draft_block_size: int = 0
+    num_proposed_drafts: int = 0
     draft_model_config: Optional[ModelConfig] = field(default=None, repr=False, compare=False)
 
     @property
@@ -56,6 +60,11 @@ class SpecAuxHiddenStateConfig:
     def is_dflash_family(self) -> bool:
         """DFLASH and DSPARK: exact draft term from the draft's own geometry."""
         return self.algorithm in DFLASH_FAMILY
+
+    @property
+    def num_verify_tokens(self) -> int:
+        """Tokens the target verifies per request per decode step (the anchor + the drafts); 0 without a draft."""
+        return self.num_proposed_drafts + 1 if self.has_draft else 0
 
 
 def _fail(algorithm: str, where: str, what: str) -> DraftResolutionError:
@@ -75,7 +84,7 @@ def load_draft_model_config(server_args: Any) -> ModelConfig:
 
 
 def _resolve_dflash_aux_hidden_state(
-    draft_model_config: ModelConfig, target_model_config: ModelConfig
+    algorithm: str, draft_model_config: ModelConfig, target_model_config: ModelConfig
 ) -> tuple[list[int], int]:
     """(target layer ids to capture, draft layer count) of a DFLASH/DSPARK draft, validated against the target."""
     where = draft_model_config.path or "draft config"
@@ -86,6 +95,11 @@ def _resolve_dflash_aux_hidden_state(
             "architecture or markov_rank; point --speculative-draft-model-path at a block-diffusion draft"
         )
     algo = spec.algorithm
+    if algo != algorithm:
+        raise DraftResolutionError(
+            f"--speculative-algorithm {algorithm} but the draft checkpoint {where} is a {algo} draft "
+            f"(architectures {draft_model_config.architectures})"
+        )
     num_layers = int(draft_model_config.num_hidden_layers)
     if num_layers <= 0:
         raise _fail(algo, where, f"num_hidden_layers is {num_layers}; a draft needs at least one layer")
@@ -117,6 +131,41 @@ def _resolve_dflash_draft_cell_size(
     heads = int(draft_model_config.get_num_kv_heads(attn_tp_size))
     cell = heads * (draft_model_config.head_dim + draft_model_config.v_head_dim) * draft_num_layers
     return cell * kv_dtype_bytes(draft_kv_cache_dtype)
+
+
+def resolve_block_geometry(server_args: Any, draft_model_config: ModelConfig) -> tuple[int, int]:
+    """(B, drafts per verify) of a DFLASH/DSPARK draft: the one place the block size is resolved.
+
+    ``--speculative-num-draft-tokens`` is the verify width as in SGLang (DFLASH: B; DSPARK with
+    ``sample_from_anchor``: B+1); ``--speculative-dspark-block-size`` sets a DSPARK block directly;
+    otherwise the checkpoint's ``block_size``. Flags that disagree are an error naming both.
+    """
+    spec = draft_model_config.draft
+    anchor = bool(spec.sample_from_anchor)
+    verify = server_args.speculative_num_draft_tokens
+    dspark_block = getattr(server_args, "speculative_dspark_block_size", None)
+    if dspark_block is not None and spec.algorithm != "DSPARK":
+        raise _fail(spec.algorithm, draft_model_config.path or "draft config",
+                    "--speculative-dspark-block-size is only for DSPARK drafts; use --speculative-num-draft-tokens")
+    if dspark_block is not None:
+        block = int(dspark_block)
+    elif verify is not None:
+        block = int(verify) - 1 if anchor else int(verify)
+    else:
+        block = int(spec.block_size)
+    drafts = draft_tokens_per_block(block, anchor)
+    if verify is not None and int(verify) != drafts + 1:
+        raise _fail(
+            spec.algorithm, draft_model_config.path or "draft config",
+            f"--speculative-num-draft-tokens {verify} disagrees with block size {block}, which verifies {drafts + 1} tokens",
+        )
+    if block < 1 or drafts < 1:
+        raise _fail(
+            spec.algorithm, draft_model_config.path or "draft config",
+            f"block size {block} proposes {drafts} drafts; a {spec.algorithm} block must propose at least one "
+            "(raise --speculative-num-draft-tokens)",
+        )
+    return block, drafts
 
 
 def _live_attn_tp_size() -> int:
@@ -197,13 +246,16 @@ def resolve_spec_aux_hidden_state(
     attn_tp_size = _live_attn_tp_size()
     dtype = _resolve_draft_dtype(server_args, draft, model_dtype)
     if algo in DFLASH_FAMILY:
-        ids, n_layers = _resolve_dflash_aux_hidden_state(draft, target_model_config)
+        ids, n_layers = _resolve_dflash_aux_hidden_state(algo, draft, target_model_config)
         cell = _resolve_dflash_draft_cell_size(draft, n_layers, dtype, attn_tp_size)
+        block, n_drafts = resolve_block_geometry(server_args, draft)
         return SpecAuxHiddenStateConfig(
             algorithm=algo,
             target_layer_ids=tuple(ids),
             draft_num_layers=n_layers,
             dflash_draft_cell_size_per_token=cell,
+            draft_block_size=block,
+            num_proposed_drafts=n_drafts,
             **_draft_kv_fields(draft, dtype, attn_tp_size),
         )
     _check_shares_target_geometry(draft, target_model_config, algo)
@@ -214,5 +266,6 @@ def resolve_spec_aux_hidden_state(
         algorithm=algo,
         draft_num_layers=n_layers,
         eagle_draft_num_layers=n_layers,
+        num_proposed_drafts=int(server_args.speculative_num_draft_tokens or (server_args.speculative_num_steps or 1) + 1) - 1,
         **_draft_kv_fields(draft, dtype, attn_tp_size),
     )
