@@ -31,7 +31,6 @@ from sglite.srt.mem_cache.kv_cache_configurator import (
     resolve_model_dtype,
 )
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
-    DFLASH_FAMILY,
     DraftResolutionError,
     load_draft_model_config,
     resolve_spec_aux_hidden_state,
@@ -40,7 +39,7 @@ from sglite.srt.model_executor.pool_configurator import (
     DEFAULT_SWA_FULL_TOKENS_RATIO,
     MemoryPlanError,
 )
-from sglite.srt.runtime_context import ModelBag, ParallelState, SpecBag, check_attn_cp_supported, scoped
+from sglite.srt.runtime_context import ParallelState, check_attn_cp_supported, scoped
 from sglite.srt.server_args import KV_CACHE_DTYPES, SPECULATIVE_ALGORITHMS, ServerArgs, ServerArgsError
 
 # ====================================================================== weights estimate
@@ -232,16 +231,9 @@ def plan_rank(
     sa = server_args
     par = ParallelState(sa.tp_size, sa.dp_size, sa.enable_dp_attention, sa.attn_cp_size, sa.pp_size)
     model_dtype = resolve_model_dtype(sa.dtype, model_config)
-    spec = SpecBag(
-        algorithm=sa.speculative_algorithm,
-        draft_model_path=sa.speculative_draft_model_path,
-        num_draft_tokens=sa.speculative_num_draft_tokens,
-        draft_kv_cache_dtype=sa.speculative_draft_kv_cache_dtype or sa.kv_cache_dtype,
-        draft_model_config=draft_model_config,
-    )
     if sa.speculative_algorithm is not None:
         check_attn_cp_supported(par.attn_cp_size)  # the runtime's own refusal (its layers call it)
-    with scoped(parallel=par, model=ModelBag(model_config, model_dtype, "meta"), spec=spec):
+    with scoped(parallel=par):
         simulate_rank(par, rank)
         aux = resolve_spec_aux_hidden_state(sa, model_config, draft_model_config=draft_model_config, model_dtype=model_dtype)
         device = sa.resolved_device()

@@ -1,7 +1,7 @@
-"""Per-process runtime context: the parallel, model and speculative config bags.
+"""Per-process runtime context: the parallel bag (configured sizes, then the live widths and groups).
 
 Invariants:
-- Each bag is published once per process (``publish``); a second publish is an error.
+- The bag is published once per process (``publish``); a second publish is an error.
   Tests and ``sglite plan`` (which simulates many ranks in one process) use ``scoped`` instead.
 - Configured leaves (``tp_size``, ``dp_size``, ``enable_dp_attention``, ``attn_cp_size``, ...) are
   readable as soon as the bag is published.
@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 
@@ -140,90 +140,33 @@ class ParallelState:
 
 
 @dataclass
-class ModelBag:
-    """The target model's resolved config and dtype for this process."""
-
-    model_config: Any = None  # sglite.srt.configs.model_config.ModelConfig
-    dtype: Any = None  # torch.dtype
-    device: str = "cpu"
-
-
-@dataclass
-class SpecBag:
-    """Speculative-decoding settings for this process (algorithm None = no speculation)."""
-
-    algorithm: Optional[str] = None  # "DFLASH" | "DSPARK" | "EAGLE" | "STANDALONE" | None
-    draft_model_path: Optional[str] = None
-    num_draft_tokens: Optional[int] = None
-    draft_kv_cache_dtype: str = "auto"
-    draft_model_config: Any = None
-
-    def is_dflash_family(self) -> bool:
-        """DFLASH and DSPARK share the block-draft path and its exact memory term."""
-        return self.algorithm in ("DFLASH", "DSPARK")
-
-
-@dataclass
 class _Context:
     parallel: Optional[ParallelState] = None
-    model: Optional[ModelBag] = None
-    spec: Optional[SpecBag] = None
-    published: set = field(default_factory=set)
 
 
 _CTX = _Context()
 
 
-def publish(
-    parallel: Optional[ParallelState] = None,
-    model: Optional[ModelBag] = None,
-    spec: Optional[SpecBag] = None,
-) -> None:
-    """Publish bags for this process; each bag may be published once."""
-    for name, bag in (("parallel", parallel), ("model", model), ("spec", spec)):
-        if bag is None:
-            continue
-        if name in _CTX.published:
-            raise RuntimeError(f"runtime context bag {name!r} was already published in this process")
-        setattr(_CTX, name, bag)
-        _CTX.published.add(name)
+def publish(parallel: ParallelState) -> None:
+    """Publish this process's parallel bag; it may be published once."""
+    if _CTX.parallel is not None:
+        raise RuntimeError("runtime context bag 'parallel' was already published in this process")
+    _CTX.parallel = parallel
 
 
 @contextlib.contextmanager
-def scoped(
-    parallel: Optional[ParallelState] = None,
-    model: Optional[ModelBag] = None,
-    spec: Optional[SpecBag] = None,
-) -> Iterator[None]:
-    """Temporarily publish bags (tests, and `sglite plan` simulating one rank at a time)."""
-    saved = (_CTX.parallel, _CTX.model, _CTX.spec, set(_CTX.published))
-    for name, bag in (("parallel", parallel), ("model", model), ("spec", spec)):
-        if bag is not None:
-            setattr(_CTX, name, bag)
-            _CTX.published.add(name)
+def scoped(parallel: ParallelState) -> Iterator[None]:
+    """Temporarily publish a parallel bag (tests, and `sglite plan` simulating one rank at a time)."""
+    saved = _CTX.parallel
+    _CTX.parallel = parallel
     try:
         yield
     finally:
-        _CTX.parallel, _CTX.model, _CTX.spec, _CTX.published = saved
-
-
-def _get(name: str) -> Any:
-    bag = getattr(_CTX, name)
-    if bag is None:
-        raise RuntimeError(f"runtime context bag {name!r} has not been published in this process")
-    return bag
+        _CTX.parallel = saved
 
 
 def get_parallel() -> ParallelState:
     """The published parallel bag."""
-    return _get("parallel")
-
-
-def get_model() -> ModelBag:
-    """The published model bag."""
-    return _get("model")
-
-
-def get_spec() -> SpecBag:
-    """The published speculative bag (algorithm None when speculation is off)."""
-    return _get("spec")
+    if _CTX.parallel is None:
+        raise RuntimeError("runtime context bag 'parallel' has not been published in this process")
+    return _CTX.parallel

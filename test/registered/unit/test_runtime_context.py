@@ -6,14 +6,10 @@ from sglite.srt import runtime_context as rc
 from sglite.srt.distributed.bootstrap import simulate_rank
 from sglite.srt.runtime_context import (
     AttentionWidths,
-    ModelBag,
     ParallelNotInitializedError,
     ParallelState,
-    SpecBag,
     derive_attention_widths,
-    get_model,
     get_parallel,
-    get_spec,
     scoped,
 )
 
@@ -21,7 +17,7 @@ SUITE = "unit-cpu"
 EST_TIME = 2
 
 
-# Expected widths from SGLang's DP-attention rule (DESIGN.md §4, reference/sglang_kv_budget.md):
+# Expected widths from SGLang's DP-attention rule (docs/parallelism.md):
 # attn_dp = dp if DP attention else 1, attn_tp = tp // attn_dp // attn_cp.
 @pytest.mark.parametrize(
     "tp,dp,dp_attn,cp,attn_dp,attn_tp",
@@ -87,15 +83,12 @@ def test_summary_omits_groups():
 def test_publish_once_and_scoped_restores(monkeypatch):
     monkeypatch.setattr(rc, "_CTX", rc._Context())
     with pytest.raises(RuntimeError, match="has not been published"):
-        get_model()
+        get_parallel()
     first = ParallelState(tp_size=2)
-    rc.publish(parallel=first, model=ModelBag(device="cpu"), spec=SpecBag())
+    rc.publish(parallel=first)
     with pytest.raises(RuntimeError, match="already published"):
         rc.publish(parallel=ParallelState())
     other = ParallelState(tp_size=8)
-    with scoped(parallel=other, spec=SpecBag(algorithm="DFLASH")):
+    with scoped(parallel=other):
         assert get_parallel() is other
-        assert get_spec().is_dflash_family()
     assert get_parallel() is first
-    assert get_spec().algorithm is None and not get_spec().is_dflash_family()
-    assert SpecBag(algorithm="DSPARK").is_dflash_family() and not SpecBag(algorithm="EAGLE").is_dflash_family()

@@ -1,6 +1,6 @@
 """init_parallel_runtime(): join the world, build the groups, stamp live widths into the parallel bag.
 
-Order (DESIGN.md §3 step 1): ``init_distributed_environment`` → ``initialize_model_parallel`` →
+Order (docs/parallelism.md): ``init_distributed_environment`` → ``initialize_model_parallel`` →
 ``initialize_dp_attention``. Each step stamps the live fields it owns, so a width read before its
 step has run raises ``ParallelNotInitializedError`` naming that step. After the groups exist, the
 widths they were built with are checked against ``derive_attention_widths``: a mismatch is a

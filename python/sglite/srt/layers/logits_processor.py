@@ -13,7 +13,7 @@ from sglite.srt.distributed.parallel_state import GroupCoordinator
 from sglite.srt.layers.dp_attention import run_over_all_groups
 from sglite.srt.layers.utils import resolve_tp_group
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead
-from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglite.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 @dataclass

@@ -8,8 +8,6 @@ E ~ Exp(1)), which draws exactly from p and lets each seeded row use its own gen
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 

@@ -109,7 +109,6 @@ class MemoryPoolConfig:
     configurator: str
     pool_plan: InitVar[PoolPlan]
     planned_pool_bytes: dict[str, int] = field(default_factory=dict)  # filled from the plan
-    full_max_total_num_tokens: int = 0
     swa_max_total_num_tokens: Optional[int] = None
     mamba_state_slots: Optional[int] = None
     state_bytes_per_slot: Optional[int] = None
@@ -286,7 +285,6 @@ class KVCacheConfigurator:
             attn_dp_size=conf.attn_dp_size,
             configurator=conf.name,
             pool_plan=plan,
-            full_max_total_num_tokens=plan.max_total_num_tokens,
             swa_max_total_num_tokens=plan.swa_max_total_num_tokens,
             mamba_state_slots=plan.state_slots,
             state_bytes_per_slot=plan.target_state.bytes_per_slot() if plan.target_state else None,

@@ -1,4 +1,4 @@
-"""ModelRunner: one model on one rank, with its KV pools and attention backend (DESIGN.md §3).
+"""ModelRunner: one model on one rank, with its KV pools and attention backend (docs/memory_plan.md).
 
 Target start-up order: init_parallel_runtime → measure memory → load weights → resolve the draft's
 aux hidden-state / KV price → size the pools → allocate pools → attention backend → CUDA graphs

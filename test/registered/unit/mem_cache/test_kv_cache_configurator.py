@@ -9,7 +9,6 @@ EST_TIME = 16
 
 import dataclasses
 import json
-import os
 import pickle
 
 import pytest

@@ -16,7 +16,6 @@ import torch
 
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import simulate_rank
-from sglite.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator, build_pools
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
     SpecAuxHiddenStateConfig,
     resolve_spec_aux_hidden_state,
