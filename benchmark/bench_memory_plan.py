@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from sglite.srt.configs.model_config import ModelConfig
-from sglite.srt.model_executor.pool_configurator import MemoryPlanError
+from sglite.srt.mem_cache.pool_plan import MemoryPlanError
 from sglite.srt.planner import plan_rank
 from sglite.srt.server_args import ServerArgs
 

@@ -2,9 +2,9 @@
 
 Every rank of the topology is simulated in this process: ``simulate_rank`` stamps that rank's live
 widths into a scoped parallel bag, then the runtime's own code runs — the draft resolver
-(``resolve_spec_aux_hidden_state``), ``KVCacheConfigurator.configure`` and ``build_pools`` — with the
-pools built on torch's ``meta`` device, so their bytes are counted without memory. No formula here
-is a second copy of the runtime's.
+(``resolve_spec_aux_hidden_state``) and ``plan_and_build_pools``, the orchestration the target
+``ModelRunner`` calls — with the pools built on torch's ``meta`` device, so their bytes are counted
+without memory. No formula here is a second copy of the runtime's.
 
 Budget per rank on CUDA (as at runtime): ``int(device_memory * mem_fraction_static) - weights``, with
 the device memory taken as free before the weights load. Weights per rank are ``--weights-gb`` or the
@@ -23,22 +23,14 @@ from typing import Any, Optional, Sequence
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelConfigError
 from sglite.srt.distributed.bootstrap import simulate_rank
 from sglite.srt.managers.base_model_worker import build_rank_report, format_rank_report
-from sglite.srt.mem_cache.kv_cache_configurator import (
-    GiB,
-    KVCacheConfigurator,
-    MemoryPoolConfig,
-    build_pools,
-    resolve_model_dtype,
-)
+from sglite.srt.mem_cache.pool_plan import MemoryPlanError, MemoryPoolConfig
+from sglite.srt.model_executor.kv_cache_configurator import GiB, plan_and_build_pools, resolve_model_dtype
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
     DraftResolutionError,
     load_draft_model_config,
     resolve_spec_aux_hidden_state,
 )
-from sglite.srt.model_executor.pool_configurator import (
-    DEFAULT_SWA_FULL_TOKENS_RATIO,
-    MemoryPlanError,
-)
+from sglite.srt.model_executor.pool_configurator import DEFAULT_SWA_FULL_TOKENS_RATIO
 from sglite.srt.runtime_context import ParallelState, check_attn_cp_supported, scoped
 from sglite.srt.server_args import KV_CACHE_DTYPES, SPECULATIVE_ALGORITHMS, ServerArgs, ServerArgsError
 
@@ -246,17 +238,12 @@ def plan_rank(
                     weights_bytes += estimate_draft_weight_bytes_per_rank(
                         aux.draft_model_config, aux.algorithm, sa.tp_size, par.attn_tp_size
                     )
-        configurator = KVCacheConfigurator(
-            sa, model_config, aux, model_dtype=model_dtype, device=device, swa_full_tokens_ratio=swa_full_tokens_ratio
+        budget = {"pre_model_load_free_bytes": device_memory_bytes, "weights_bytes": weights_bytes} if device == "cuda" else {}
+        planned = plan_and_build_pools(
+            sa, model_config, pool_device="meta", model_dtype=model_dtype, spec_aux_config=aux, build_draft=True,
+            with_allocator=False, swa_full_tokens_ratio=swa_full_tokens_ratio, **budget,
         )
-        if device == "cuda":
-            cfg = configurator.configure(pre_model_load_free_bytes=device_memory_bytes, weights_bytes=weights_bytes)
-        else:
-            cfg = configurator.configure()
-        target = build_pools(cfg, model_config, device="meta", with_allocator=False)
-        allocated = target.allocated_bytes()
-        if aux.has_draft:
-            allocated.update(build_pools(cfg, aux.draft_model_config, device="meta", is_draft=True).allocated_bytes())
+        cfg, allocated = planned.memory_pool_config, planned.allocated_bytes()
         pools = [PoolReport(p.name, p.planned_bytes, allocated.get(p.name, -1)) for p in cfg.planned_pools()]
         extra = set(allocated) - {p.name for p in pools}
         if extra:

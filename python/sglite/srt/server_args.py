@@ -178,7 +178,7 @@ class ServerArgs:
         ):
             _require(value in allowed, f"{flag} {value!r} is unknown; choose one of {[a for a in allowed if a]}")
         algo = self.speculative_algorithm
-        if algo in ("DFLASH", "DSPARK", "EAGLE", "STANDALONE"):
+        if algo in SPECULATIVE_ALGORITHMS:
             _require(
                 self.speculative_draft_model_path is not None,
                 f"--speculative-algorithm {algo} needs --speculative-draft-model-path",

@@ -283,8 +283,11 @@ class SchedulerReady:
     vocab_size: int
     memory_plan: dict[str, Any] = field(default_factory=dict)
     # Widths, KV heads, cell sizes, planned vs allocated pool bytes of the sending rank
-    # (data_parallel_controller.rank_report); None from workers that build no pools (test fakes).
+    # (BaseModelWorker.rank_report); None from workers that build no pools (test fakes).
     rank_report: Optional[dict[str, Any]] = None
+    # Slots a decode step takes per request (1, or the block size B): the front end's admission check
+    # (mem_cache.paging.request_kv_slots) prices a request as the scheduler does.
+    num_decode_tokens_per_req: int = 1
 
 
 @dataclass

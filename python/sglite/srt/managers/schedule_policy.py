@@ -15,6 +15,7 @@ from typing import Optional
 
 from sglite.srt.managers.schedule_batch import Req
 from sglite.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sglite.srt.mem_cache.paging import floor_to_page, pages_needed
 
 # Above this many waiting requests, lpm's prefix matching costs more than it saves: use fcfs.
 LPM_MAX_QUEUE = 128
@@ -48,13 +49,6 @@ class SchedulePolicy:
             return list(waiting)
         match_len = {id(r): self.tree_cache.match_prefix(prefix_key(r)).length for r in waiting}
         return sorted(waiting, key=lambda r: -match_len[id(r)])
-
-
-def pages_needed(prefix_len: int, extend_len: int, page_size: int) -> int:
-    """Slots (whole fresh pages) the allocator takes to extend a request from ``prefix_len`` by ``extend_len``."""
-    tail_room = (page_size - prefix_len % page_size) % page_size
-    fresh = max(0, extend_len - tail_room)
-    return -(-fresh // page_size) * page_size
 
 
 def decode_reserve(req: Req, new_token_ratio: float) -> int:
@@ -92,7 +86,7 @@ class PrefillBudget:
             raise ValueError(f"request {req.rid} has nothing to prefill (prefix {prefix_len}, seq {req.seq_len})")
         take = extend
         if self.rem_chunk_tokens is not None and extend > self.rem_chunk_tokens:
-            take = self.rem_chunk_tokens // self.page_size * self.page_size
+            take = floor_to_page(self.rem_chunk_tokens, self.page_size)
             if take <= 0:
                 return AddResult.NO_CHUNK_BUDGET, 0
         slots = pages_needed(prefix_len, take, self.page_size)

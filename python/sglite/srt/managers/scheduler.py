@@ -40,7 +40,6 @@ from sglite.srt.managers.schedule_policy import (
     PrefillBudget,
     SchedulePolicy,
     decode_reserve,
-    pages_needed,
     prefix_key,
 )
 from sglite.srt.managers.scheduler_dp_attn_mixin import SchedulerDPAttentionMixin
@@ -49,6 +48,7 @@ from sglite.srt.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from sglite.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
 from sglite.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglite.srt.mem_cache.chunk_cache import ChunkCache
+from sglite.srt.mem_cache.paging import request_kv_slots
 from sglite.srt.mem_cache.radix_cache import RadixCache
 from sglite.srt.server_args import ServerArgs
 
@@ -167,10 +167,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMemoryMixin, SchedulerMe
             return f"request id {req.rid!r} is already in use"
         if n + max_new > self.context_len:
             return f"prompt ({n}) + max_new_tokens ({max_new}) exceeds the context length {self.context_len}"
-        # The last decode step holds K/V for n + max_new - 1 tokens plus its block of slots.
-        need = pages_needed(0, n + max_new - 1 + int(self.worker.num_decode_tokens_per_req), self.page_size)
-        if self.disaggregation_mode == "prefill":  # PD: a prefill node holds only the prompt's K/V
-            need = pages_needed(0, n, self.page_size)
+        need = request_kv_slots(  # PD: a prefill node holds only the prompt's K/V
+            n, max_new, self.page_size, self.worker.num_decode_tokens_per_req, self.disaggregation_mode == "prefill"
+        )
         if need > self.initial_free_slots:
             return (
                 f"the request needs {need} KV slots but the pool holds {self.initial_free_slots}; "

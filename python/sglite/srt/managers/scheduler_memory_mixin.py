@@ -14,7 +14,7 @@ import torch
 
 from sglite.srt.managers.io_struct import FlushCacheReqOutput
 from sglite.srt.managers.schedule_batch import Req
-from sglite.srt.managers.schedule_policy import pages_needed
+from sglite.srt.mem_cache.paging import pages_needed
 
 if TYPE_CHECKING:
     from sglite.srt.managers.scheduler import Scheduler
@@ -61,10 +61,6 @@ class SchedulerMemoryMixin:
         """Free the request's own slots at positions [start, end) (``start`` page-aligned or == prefix)."""
         if end > start:
             self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].to(torch.int64))
-
-    def _round_up(self: "Scheduler", n: int) -> int:
-        """n rounded up to a whole page."""
-        return -(-n // self.page_size) * self.page_size
 
     def _alloc_extend(self: "Scheduler", reqs: Sequence[Req], prefix: list[int], seq: list[int]) -> Optional[torch.Tensor]:
         """Slots for positions [prefix, seq) of each request, evicting from the prefix cache if short."""

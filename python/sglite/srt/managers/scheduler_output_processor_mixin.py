@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from sglite.srt.managers.io_struct import BatchTokenIDOut, finish_length, finish_stop
 from sglite.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglite.srt.mem_cache.paging import round_up_to_page
 
 if TYPE_CHECKING:
     from sglite.srt.managers.scheduler import Scheduler
@@ -62,7 +63,7 @@ class SchedulerOutputProcessorMixin:
                 self.spec_accepted_total += kept
             self._record_logprobs(req, batch, i, kept)
             req.kv_len = old_kv + kept
-            self._free_positions(req, self._round_up(req.kv_len), old_kv + t)
+            self._free_positions(req, round_up_to_page(req.kv_len, self.page_size), old_kv + t)
             if req.finished:
                 self.running.remove(req)
                 self._release(req)

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.scheduler import Scheduler
 from sglite.srt.server_args import ServerArgs
+from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
 
 
 def resolve_eos_token_ids(model_path: Optional[str], model_config: Any, tokenizer: Any) -> list[int]:
@@ -37,7 +38,7 @@ def create_model_worker(
 ) -> BaseModelWorker:
     """The worker for --speculative-algorithm: DFlashWorker for DFLASH/DSPARK, else TpModelWorker."""
     algo = server_args.speculative_algorithm
-    if algo in ("DFLASH", "DSPARK"):
+    if SpeculativeAlgorithm.from_string(algo).is_dflash_family():
         from sglite.srt.speculative.dflash_worker import create_dflash_worker
 
         return create_dflash_worker(
@@ -94,6 +95,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
             vocab_size=int(runner.model_config.vocab_size),
             memory_plan=worker.memory_plan(),
             rank_report=worker.rank_report() if worker.builds_pools else None,
+            num_decode_tokens_per_req=int(worker.num_decode_tokens_per_req),
         )
     except BaseException as e:  # report start-up failures to the launcher, then exit non-zero
         pipe_writer.send(SchedulerInitError(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))

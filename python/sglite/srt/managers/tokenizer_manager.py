@@ -33,6 +33,7 @@ from sglite.srt.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from sglite.srt.mem_cache.paging import request_kv_slots
 from sglite.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -192,9 +193,13 @@ class TokenizerManager:
             )
         capacity = self.scheduler_info.max_total_num_tokens
         page = max(1, int(getattr(self.server_args, "page_size", 1) or 1))
-        if -(-(n_in + params.max_new_tokens) // page) * page > capacity:
+        need = request_kv_slots(  # the scheduler's own formula: it would abort what does not fit
+            n_in, params.max_new_tokens, page, self.scheduler_info.num_decode_tokens_per_req,
+            prefill_only=getattr(self.server_args, "disaggregation_mode", None) == "prefill",
+        )
+        if need > capacity:
             raise RequestValidationError(
-                f"The request needs {n_in + params.max_new_tokens} KV tokens but the server's KV pool holds "
+                f"The request needs {need} KV slots but the server's KV pool holds "
                 f"{capacity}; reduce the prompt or max_tokens (or raise the server's memory budget).",
                 "max_tokens",
             )

@@ -11,6 +11,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from sglite.srt.mem_cache.paging import ceil_div
+
 IntSeq = Union[Sequence[int], torch.Tensor]
 
 
@@ -71,7 +73,7 @@ class PagedTokenToKVPoolAllocator:
             raise ValueError(f"need_size must be >= 0, got {need_size}")
         if need_size == 0:
             return self._out(torch.empty(0, dtype=torch.int64))
-        num_pages = -(-need_size // self.page_size)
+        num_pages = ceil_div(need_size, self.page_size)
         pages = self._take_pages(num_pages)
         if pages is None:
             return None
@@ -107,7 +109,7 @@ class PagedTokenToKVPoolAllocator:
                     )
             fresh = n - tail
             plans.append((loc + 1, tail, fresh))
-            fresh_pages += -(-fresh // p)
+            fresh_pages += ceil_div(fresh, p)
         pages = self._take_pages(fresh_pages)
         if pages is None:
             return None
@@ -223,7 +225,7 @@ def _extend_slots_small(plans: list[tuple[int, int, int]], pages: list[int], pag
     cursor = 0
     for start, tail, fresh in plans:
         out.extend(range(start, start + tail))
-        k = -(-fresh // page_size)
+        k = ceil_div(fresh, page_size)
         for j, page in enumerate(pages[cursor : cursor + k]):
             out.extend(range(page * page_size, page * page_size + min(page_size, fresh - j * page_size)))
         cursor += k
@@ -250,7 +252,8 @@ def _extend_slots(plans: list[tuple[int, int, int]], pages: torch.Tensor, page_s
     slots = start[req] + j
     if pages.numel():
         grid = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)
-        first_page = torch.cumsum(-(-fresh // page_size), 0) - (-(-fresh // page_size))
+        pages_per_req = ceil_div(fresh, page_size)
+        first_page = torch.cumsum(pages_per_req, 0) - pages_per_req
         fresh_pos = (first_page[req] * page_size + j - tail[req]).clamp(0, grid.numel() - 1)
         slots = torch.where(in_tail, slots, grid[fresh_pos])
     return slots

@@ -18,6 +18,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from sglite.srt.mem_cache.paging import floor_to_page
+
 
 @dataclass
 class MatchResult:
@@ -87,7 +89,7 @@ class BasePrefixCache(abc.ABC):
 
     def page_aligned(self, n: int) -> int:
         """``n`` rounded down to a whole number of pages."""
-        return n // self.page_size * self.page_size
+        return floor_to_page(n, self.page_size)
 
 
 def empty_indices(device: Optional[torch.device] = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Any, Hashable, Optional, Protocol, Sequence
 import torch
 
 from sglite.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, empty_indices
+from sglite.srt.mem_cache.paging import floor_to_page
 
 
 class SlotFreer(Protocol):
@@ -73,7 +74,7 @@ class RadixCache(BasePrefixCache):
             if x != y:
                 break
             n += 1
-        return n // self.page_size * self.page_size
+        return floor_to_page(n, self.page_size)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child`` after ``n`` tokens; return the new upper node (it inherits child's lock_ref)."""

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ def plan_cuda_graphs(
     # B and the verify width come from the spec config (resolve_block_geometry), never re-derived here.
     if is_draft:
         return CudaGraphPlan(specs=(CudaGraphSpec(ForwardMode.DRAFT_BLOCK, spec_aux_config.draft_block_size, sizes),))
-    if algo in ("DFLASH", "DSPARK"):
+    if SpeculativeAlgorithm.from_string(algo).is_dflash_family():
         layers = tuple(int(i) for i in spec_aux_config.target_layer_ids)
         spec = CudaGraphSpec(ForwardMode.TARGET_VERIFY, spec_aux_config.num_verify_tokens, sizes, layers)
         return CudaGraphPlan(specs=(spec,))

@@ -20,11 +20,13 @@ from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_dp_
 from sglite.srt.layers.attention.registry import create_attention_backend
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.layers.sampler import Sampler
-from sglite.srt.mem_cache.kv_cache_configurator import (
+from sglite.srt.model_executor.kv_cache_configurator import (
     KVCacheConfigurator,
     build_pools,
+    check_plan_matches_rank,
     get_free_device_memory,
     min_across_group,
+    plan_and_build_pools,
 )
 from sglite.srt.model_executor.forward_batch_info import (
     ForwardBatch,
@@ -33,7 +35,6 @@ from sglite.srt.model_executor.forward_batch_info import (
     idle_forward_batch,
 )
 from sglite.srt.model_executor.cuda_graph_runner import CudaGraphRunner, build_cuda_graph_runners
-from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import resolve_spec_aux_hidden_state
 from sglite.srt.model_loader.loader import load_model, resolve_dtype
 from sglite.srt.runtime_context import get_parallel
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -109,6 +110,7 @@ class ModelRunner:
                 target_memory_pool_config=target_runner.memory_pool_config,
                 device=str(self.device),
             ).configure()
+            check_plan_matches_rank(self.memory_pool_config)
             pools = build_pools(
                 self.memory_pool_config,
                 self.model_config,
@@ -118,20 +120,17 @@ class ModelRunner:
             )
             self.kv_cache_dtype = self.memory_pool_config.draft_kv_cache_torch_dtype
         else:
-            self.spec_aux_config = resolve_spec_aux_hidden_state(server_args, self.model_config, model_dtype=self.dtype)
-            configurator = KVCacheConfigurator(
-                server_args, self.model_config, self.spec_aux_config, model_dtype=self.dtype, device=str(self.device)
-            )
-            tp_group = get_tp_group()
+            budget: dict[str, Any] = {"tp_group": get_tp_group()}
             if self.device.type == "cuda":
-                self.memory_pool_config = configurator.configure(
+                budget.update(
                     pre_model_load_free_bytes=self._free_bytes_before_load,
                     post_model_load_free_bytes=get_free_device_memory(str(self.device)),
-                    tp_group=tp_group,
                 )
-            else:
-                self.memory_pool_config = configurator.configure(tp_group=tp_group)
-            pools = build_pools(self.memory_pool_config, self.model_config, device=str(self.device))
+            planned = plan_and_build_pools(
+                server_args, self.model_config, pool_device=str(self.device), model_dtype=self.dtype, **budget
+            )
+            self.spec_aux_config, self.memory_pool_config = planned.spec_aux_config, planned.memory_pool_config
+            pools = planned.target
             self.kv_cache_dtype = self.memory_pool_config.kv_cache_torch_dtype
         self.kv_pools = pools
         self.token_to_kv_pool = pools.token_to_kv_pool

@@ -1,13 +1,13 @@
 """Pool configurators: per-token cell sizes and page-aligned pool sizes solved from a byte budget.
 
 One configurator per target layout (``DefaultPoolConfigurator`` for MHA/GQA and MLA,
-``HybridSWAPoolConfigurator``, ``HybridLinearPoolConfigurator``); each prices the draft:
-DFLASH/DSPARK exactly from the draft's own geometry at the live ``attn_tp_size``, EAGLE/STANDALONE by
-the layer ratio ``ceil(attn_cell * (L + D) / L)`` over the target's attention layers.
+``HybridSWAPoolConfigurator``, ``HybridLinearPoolConfigurator``). The draft is priced by its pool
+geometry's ``cell_bytes()`` (``SpecAuxHiddenStateConfig.draft_geometry``, resolved at the live
+``attn_tp_size``): DFLASH/DSPARK with the draft's own geometry, EAGLE/STANDALONE with the target's
+per-layer geometry over the draft's layers (the layer ratio), which must equal the draft's own.
 
-The result is a ``PoolPlan``: the per-rank geometries plus sizes. The same ``PoolPlan`` gives the
-planned bytes of every pool and builds the pools (on any device, ``meta`` included), so the plan and
-the allocation cannot drift apart. Sizes are solved by searching the largest page multiple whose
+The result is a ``PoolPlan`` (``mem_cache/pool_plan.py``): the per-rank geometries plus sizes. Sizes
+are solved by searching the largest page multiple whose
 *exact* total (padding pages, page-aligned sliding pool, request table, recurrent state) fits the
 budget; the closed form ``budget // cell`` is the starting upper bound.
 """
@@ -17,26 +17,22 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig
 from sglite.srt.mem_cache.kv_cache_dtype import kv_dtype_bytes
-from sglite.srt.mem_cache.memory_pool import (
-    BaseTokenToKVPool,
-    HybridLinearKVPool,
-    MambaStatePool,
-    MHATokenToKVPool,
-    MLATokenToKVPool,
-    ReqToTokenPool,
-    SWAKVPool,
+from sglite.srt.mem_cache.memory_pool import SWAKVPool
+from sglite.srt.mem_cache.paging import floor_to_page
+from sglite.srt.mem_cache.pool_plan import (
+    AttnPoolGeometry,
+    MemoryPlanError,
+    PoolPlan,
+    StateGeometry,
+    attn_pool_geometry,
 )
-from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
-    DFLASH_FAMILY,
-    LAYER_RATIO_FAMILY,
-    SpecAuxHiddenStateConfig,
-)
+from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import SpecAuxHiddenStateConfig
 from sglite.srt.runtime_context import get_parallel
 
 DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
@@ -44,202 +40,7 @@ DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
 # mamba_full_memory_ratio 0.9: state / KV = 0.9).
 DEFAULT_MAMBA_FULL_MEMORY_RATIO = 0.9
 MAMBA_SSM_DTYPE = torch.float32  # recurrent state accumulates over the whole sequence: keep fp32
-REQ_TO_TOKEN_DTYPE = torch.int32
 MIN_RUNNING_REQUESTS_ESTIMATE, MAX_RUNNING_REQUESTS_ESTIMATE = 2048, 4096
-
-Device = Union[str, torch.device]
-
-
-class MemoryPlanError(RuntimeError):
-    """The budget cannot hold a usable pool, or the plan's inputs disagree; the message says what to change."""
-
-
-def floor_to_page(n: int, page_size: int) -> int:
-    """Largest multiple of ``page_size`` that is <= n (0 for n < page_size)."""
-    return max(0, n) // page_size * page_size
-
-
-# ====================================================================== per-rank geometries
-
-
-@dataclass(frozen=True)
-class AttnPoolGeometry:
-    """One token pool's per-rank geometry: MHA (heads x dims) or MLA (latent), over some model layers."""
-
-    kind: str  # "mha" | "mla"
-    dtype: torch.dtype
-    layer_ids: tuple[int, ...]
-    head_num: int = 0
-    head_dim: int = 0
-    v_head_dim: int = 0
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-
-    @property
-    def num_layers(self) -> int:
-        """Layers this pool holds."""
-        return len(self.layer_ids)
-
-    def cell_bytes(self) -> int:
-        """Bytes per token slot over all layers of this pool."""
-        if self.kind == "mha":
-            return MHATokenToKVPool.cell_bytes(self.dtype, self.head_num, self.head_dim, self.v_head_dim, self.num_layers)
-        return MLATokenToKVPool.cell_bytes(self.dtype, self.kv_lora_rank, self.qk_rope_head_dim, self.num_layers)
-
-    def planned_bytes(self, size: int, page_size: int) -> int:
-        """Bytes the pool allocates at ``size`` slots."""
-        if self.kind == "mha":
-            return MHATokenToKVPool.planned_bytes(
-                size, page_size, self.dtype, self.head_num, self.head_dim, self.v_head_dim, self.num_layers
-            )
-        return MLATokenToKVPool.planned_bytes(
-            size, page_size, self.dtype, self.kv_lora_rank, self.qk_rope_head_dim, self.num_layers
-        )
-
-    def build(self, size: int, page_size: int, device: Device) -> BaseTokenToKVPool:
-        """Allocate the pool."""
-        if self.kind == "mha":
-            return MHATokenToKVPool(
-                size, page_size, self.dtype, self.head_num, self.head_dim, self.v_head_dim,
-                self.num_layers, device, layer_ids=self.layer_ids,
-            )
-        return MLATokenToKVPool(
-            size, page_size, self.dtype, self.kv_lora_rank, self.qk_rope_head_dim,
-            self.num_layers, device, layer_ids=self.layer_ids,
-        )
-
-    def with_layers(self, layer_ids: tuple[int, ...], dtype: Optional[torch.dtype] = None) -> "AttnPoolGeometry":
-        """Same per-layer geometry over other layers (an EAGLE draft reusing the target's)."""
-        return dataclasses.replace(self, layer_ids=tuple(layer_ids), dtype=dtype or self.dtype)
-
-
-@dataclass(frozen=True)
-class StateGeometry:
-    """Per-rank recurrent state of the linear-attention layers."""
-
-    layer_ids: tuple[int, ...]
-    num_heads: int
-    state_k_dim: int
-    state_v_dim: int
-    conv_channels: int
-    conv_kernel: int
-    ssm_dtype: torch.dtype
-    conv_dtype: torch.dtype
-
-    def _geom(self) -> tuple:
-        return (self.num_heads, self.state_k_dim, self.state_v_dim, self.conv_channels, self.conv_kernel,
-                self.ssm_dtype, self.conv_dtype)
-
-    def bytes_per_slot(self) -> int:
-        """Bytes of one request's state over all linear layers."""
-        return MambaStatePool.bytes_per_slot(len(self.layer_ids), *self._geom())
-
-    def planned_bytes(self, slots: int) -> int:
-        """Bytes the state pool allocates at ``slots`` request slots."""
-        return MambaStatePool.planned_bytes(slots, len(self.layer_ids), *self._geom())
-
-    def build(self, slots: int, device: Device) -> MambaStatePool:
-        """Allocate the state pool."""
-        return MambaStatePool(slots, self.layer_ids, *self._geom(), device)
-
-
-# ====================================================================== the plan
-
-
-@dataclass(frozen=True)
-class PlannedPool:
-    """One allocation of the plan and its exact bytes."""
-
-    name: str
-    role: str  # "target" | "draft" | "shared"
-    planned_bytes: int
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    """Per-rank geometries and solved sizes: planned bytes and pool construction from one place."""
-
-    layout: str  # "default" | "hybrid_swa" | "hybrid_linear"
-    page_size: int
-    max_total_num_tokens: int  # full-attention token slots (what the allocator hands out)
-    max_running_requests: int
-    req_to_token_context_len: int
-    target_attn: Optional[AttnPoolGeometry]  # full-attention (or MLA) layers of the target
-    target_swa: Optional[AttnPoolGeometry] = None
-    swa_max_total_num_tokens: Optional[int] = None
-    target_state: Optional[StateGeometry] = None
-    state_slots: Optional[int] = None
-    draft: Optional[AttnPoolGeometry] = None
-    extra_req_slots: int = 0  # PD decode node: rows for requests pre-allocated while their KV arrives
-
-    @property
-    def req_to_token_rows(self) -> int:
-        """Request rows of the request→token table (running requests + PD pre-allocation rows)."""
-        return self.max_running_requests + self.extra_req_slots
-
-    # ---------------------------------------------------------------- bytes
-    def planned_pools(self) -> list[PlannedPool]:
-        """Every allocation with its exact bytes (what ``build_*`` will allocate)."""
-        T, p = self.max_total_num_tokens, self.page_size
-        out: list[PlannedPool] = []
-        if self.layout == "hybrid_swa":
-            parts = SWAKVPool.planned_bytes(
-                T, self.swa_max_total_num_tokens, p, self.target_swa.dtype,
-                self.target_attn.head_num, self.target_attn.head_dim, self.target_attn.v_head_dim,
-                self.target_attn.num_layers,
-                self.target_swa.head_num, self.target_swa.head_dim, self.target_swa.v_head_dim,
-                self.target_swa.num_layers,
-            )
-            out += [
-                PlannedPool("target_kv_full", "target", parts["full"]),
-                PlannedPool("target_kv_swa", "target", parts["swa"]),
-                PlannedPool("target_full_to_swa_mapping", "target", parts["mapping"]),
-            ]
-        elif self.layout == "hybrid_linear":
-            out += [
-                PlannedPool("target_kv", "target", self.target_attn.planned_bytes(T, p)),
-                PlannedPool("target_linear_state", "target", self.target_state.planned_bytes(self.state_slots)),
-            ]
-        else:
-            out.append(PlannedPool("target_kv", "target", self.target_attn.planned_bytes(T, p)))
-        if self.draft is not None:
-            out.append(PlannedPool("draft_kv", "draft", self.draft.planned_bytes(T, p)))
-        out.append(
-            PlannedPool(
-                "req_to_token", "shared",
-                ReqToTokenPool.planned_bytes(self.req_to_token_rows, self.req_to_token_context_len, REQ_TO_TOKEN_DTYPE),
-            )
-        )
-        return out
-
-    def total_bytes(self) -> int:
-        """Sum over every planned allocation."""
-        return sum(p.planned_bytes for p in self.planned_pools())
-
-    # ---------------------------------------------------------------- builders
-    def build_target_kv_pool(self, device: Device) -> Any:
-        """The target's token→KV pool (MHA/MLA, SWA pair, or hybrid linear)."""
-        T, p = self.max_total_num_tokens, self.page_size
-        if self.layout == "hybrid_swa":
-            a, s = self.target_attn, self.target_swa
-            return SWAKVPool(
-                T, self.swa_max_total_num_tokens, p, s.dtype,
-                a.head_num, a.head_dim, a.v_head_dim, a.layer_ids,
-                s.head_num, s.head_dim, s.v_head_dim, s.layer_ids, device,
-            )
-        if self.layout == "hybrid_linear":
-            return HybridLinearKVPool(self.target_attn.build(T, p, device), self.target_state.build(self.state_slots, device))
-        return self.target_attn.build(T, p, device)
-
-    def build_draft_kv_pool(self, device: Device) -> BaseTokenToKVPool:
-        """The draft's own KV pool at the target's token capacity (slot i = the same token)."""
-        if self.draft is None:
-            raise MemoryPlanError("this memory plan has no draft pool (no --speculative-algorithm was planned)")
-        return self.draft.build(self.max_total_num_tokens, self.page_size, device)
-
-    def build_req_to_token_pool(self, device: Device) -> ReqToTokenPool:
-        """The request→token table shared by target and draft."""
-        return ReqToTokenPool(self.req_to_token_rows, self.req_to_token_context_len, device, REQ_TO_TOKEN_DTYPE)
 
 
 # ====================================================================== configurators
@@ -280,12 +81,7 @@ class BasePoolConfigurator(abc.ABC):
 
     # ---------------------------------------------------------------- geometry
     def _attn_geometry(self, layer_ids: list[int], mla: bool) -> AttnPoolGeometry:
-        mc, dtype = self.model_config, self.inputs.kv_cache_dtype
-        if mla:
-            return AttnPoolGeometry("mla", dtype, tuple(layer_ids), kv_lora_rank=mc.kv_lora_rank,
-                                    qk_rope_head_dim=mc.qk_rope_head_dim)
-        return AttnPoolGeometry("mha", dtype, tuple(layer_ids), head_num=mc.get_num_kv_heads(self.attn_tp_size),
-                                head_dim=mc.head_dim, v_head_dim=mc.v_head_dim)
+        return attn_pool_geometry(self.model_config, layer_ids, self.inputs.kv_cache_dtype, self.attn_tp_size, mla)
 
     @abc.abstractmethod
     def _target_attn_geometry(self) -> AttnPoolGeometry:
@@ -307,29 +103,29 @@ class BasePoolConfigurator(abc.ABC):
                 f"the draft was priced at attn_tp_size={aux.attn_tp_size} but the pools are built at "
                 f"attn_tp_size={self.attn_tp_size}; resolve_spec_aux_hidden_state must run after init_parallel_runtime"
             )
-        if aux.algorithm in DFLASH_FAMILY:
-            geom = AttnPoolGeometry(
-                "mha", aux.draft_kv_cache_dtype, tuple(range(aux.draft_num_layers)),
-                head_num=aux.draft_kv_heads_per_rank, head_dim=aux.draft_head_dim, v_head_dim=aux.draft_v_head_dim,
+        own = aux.draft_geometry
+        if own is None or own.cell_bytes() <= 0:
+            raise MemoryPlanError(
+                f"{aux.algorithm} draft has no positive per-token price; a draft pool that will be "
+                "allocated cannot be planned at zero bytes"
             )
-            cell = aux.dflash_draft_cell_size_per_token
-            if cell is None or cell <= 0:
-                raise MemoryPlanError(
-                    f"{aux.algorithm} draft has no positive per-token price ({cell}); a draft pool that will be "
-                    "allocated cannot be planned at zero bytes"
-                )
-            if cell != geom.cell_bytes():
-                raise MemoryPlanError(f"draft price {cell} B/token != draft pool geometry {geom.cell_bytes()} B/token")
-            return geom
-        if aux.algorithm in LAYER_RATIO_FAMILY:
-            if aux.draft_kv_cache_dtype != self.inputs.kv_cache_dtype:
-                raise MemoryPlanError(
-                    f"{aux.algorithm} drafts are priced by the target's layer ratio, which needs the draft KV dtype "
-                    f"({aux.draft_kv_cache_dtype}) to equal the target's ({self.inputs.kv_cache_dtype}); "
-                    "drop --speculative-draft-kv-cache-dtype"
-                )
-            return self.target_attn.with_layers(tuple(range(aux.eagle_draft_num_layers)))
-        raise MemoryPlanError(f"unknown speculative algorithm {aux.algorithm!r}")
+        if aux.is_dflash_family:
+            return own
+        # EAGLE/STANDALONE: the target's per-layer geometry over the draft's layers (the layer ratio); exact
+        # only when a draft layer costs what a target attention layer costs, so check it against the draft's own.
+        if aux.draft_kv_cache_dtype != self.inputs.kv_cache_dtype:
+            raise MemoryPlanError(
+                f"{aux.algorithm} drafts are priced by the target's layer ratio, which needs the draft KV dtype "
+                f"({aux.draft_kv_cache_dtype}) to equal the target's ({self.inputs.kv_cache_dtype}); "
+                "drop --speculative-draft-kv-cache-dtype"
+            )
+        ratio = self.target_attn.with_layers(own.layer_ids)
+        if ratio.cell_bytes() != own.cell_bytes():
+            raise MemoryPlanError(
+                f"{aux.algorithm} layer-ratio price {ratio.cell_bytes()} B/token != the draft's own geometry "
+                f"{own.cell_bytes()} B/token; the draft does not share the target's attention geometry"
+            )
+        return ratio
 
     # ---------------------------------------------------------------- cells
     @abc.abstractmethod
@@ -337,22 +133,8 @@ class BasePoolConfigurator(abc.ABC):
         """Target KV bytes per (full) token per rank, including the sliding pool's share and the mapping."""
 
     def draft_cell_bytes(self) -> int:
-        """Draft KV bytes per token per rank (0 without a draft)."""
-        aux = self.inputs.spec_aux
-        if not aux.has_draft:
-            return 0
-        if aux.algorithm in DFLASH_FAMILY:
-            return int(aux.dflash_draft_cell_size_per_token)
-        # Layer ratio over the target's attention layers: ceil(attn_cell * (L + D) / L) - attn_cell.
-        attn_cell, L, D = self.target_attn.cell_bytes(), self.target_attn.num_layers, aux.eagle_draft_num_layers
-        if L <= 0 or attn_cell <= 0:
-            raise MemoryPlanError(f"{aux.algorithm} draft: the target has no attention layers to take a ratio over")
-        draft_cell = -(-attn_cell * (L + D) // L) - attn_cell
-        if draft_cell != self.draft.cell_bytes():
-            raise MemoryPlanError(
-                f"{aux.algorithm} layer-ratio price {draft_cell} B/token != draft pool {self.draft.cell_bytes()} B/token"
-            )
-        return draft_cell
+        """Draft KV bytes per token per rank (0 without a draft): the draft pool geometry's own price."""
+        return self.draft.cell_bytes() if self.draft is not None else 0
 
     def cell_bytes(self) -> int:
         """Target + draft bytes per token per rank."""

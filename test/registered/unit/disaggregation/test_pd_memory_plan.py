@@ -11,7 +11,7 @@ import transformers
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.disaggregation.utils import transferable_kv_buffers
 from sglite.srt.distributed.bootstrap import simulate_rank
-from sglite.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator, build_pools
+from sglite.srt.model_executor.kv_cache_configurator import KVCacheConfigurator, build_pools
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import resolve_spec_aux_hidden_state
 from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.srt.server_args import ServerArgs

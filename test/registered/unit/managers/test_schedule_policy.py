@@ -3,7 +3,8 @@
 import pytest
 
 from sglite.srt.managers.schedule_batch import Req
-from sglite.srt.managers.schedule_policy import AddResult, PrefillBudget, SchedulePolicy, pages_needed
+from sglite.srt.managers.schedule_policy import AddResult, PrefillBudget, SchedulePolicy
+from sglite.srt.mem_cache.paging import pages_needed
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglite.srt.mem_cache.radix_cache import RadixCache
 from sglite.srt.sampling.sampling_params import SamplingParams

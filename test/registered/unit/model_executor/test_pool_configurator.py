@@ -16,6 +16,7 @@ import torch
 
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import simulate_rank
+from sglite.srt.mem_cache.pool_plan import MemoryPlanError
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
     SpecAuxHiddenStateConfig,
     resolve_spec_aux_hidden_state,
@@ -25,7 +26,6 @@ from sglite.srt.model_executor.pool_configurator import (
     DefaultPoolConfigurator,
     HybridLinearPoolConfigurator,
     HybridSWAPoolConfigurator,
-    MemoryPlanError,
     create_pool_configurator,
 )
 from sglite.srt.runtime_context import ParallelState, scoped
@@ -231,7 +231,7 @@ def test_dflash_draft_without_a_price_is_refused():
     mc = _gqa()
     with _Topology():
         aux = _aux("DFLASH", mc, _draft())
-        broken = dataclasses.replace(aux, dflash_draft_cell_size_per_token=None)
+        broken = dataclasses.replace(aux, draft_geometry=None)
         with pytest.raises(MemoryPlanError, match="zero bytes"):
             DefaultPoolConfigurator(_inputs(mc, broken))
 
@@ -243,6 +243,31 @@ def test_draft_priced_at_another_width_is_refused():
     with _Topology(tp=16):
         with pytest.raises(MemoryPlanError, match="attn_tp_size"):
             DefaultPoolConfigurator(_inputs(mc, aux))
+
+
+def test_eagle_layer_ratio_must_equal_the_drafts_own_price():
+    """The ratio price (target per-layer cell x draft layers) is checked against the draft's own geometry."""
+    mc = _gqa()
+    with _Topology():
+        aux = _aux("EAGLE", mc, _eagle_draft(mc, layers=5))
+        conf = DefaultPoolConfigurator(_inputs(mc, aux))
+        assert conf.draft_cell_bytes() == aux.draft_cell_bytes == conf.draft.cell_bytes() == 65536 * 5 // 32
+        # A draft whose own heads differ from the target's (the resolver refuses such a config.json too).
+        wider = dataclasses.replace(aux, draft_geometry=dataclasses.replace(aux.draft_geometry, head_num=8))
+        with pytest.raises(MemoryPlanError, match="layer-ratio"):
+            DefaultPoolConfigurator(_inputs(mc, wider))
+
+
+def test_dflash_draft_price_is_the_draft_pools_bytes_per_token():
+    """One owner: the resolver's price == the configurator's == the built draft pool's bytes per token."""
+    mc = _gqa()
+    with _Topology():
+        aux = _aux("DFLASH", mc, _draft(kv=8))
+        conf = DefaultPoolConfigurator(_inputs(mc, aux))
+        plan = conf.plan_for_tokens(64)
+        pool = plan.build_draft_kv_pool("meta")
+        assert aux.draft_cell_bytes == conf.draft_cell_bytes() == plan.draft.cell_bytes() == 20480
+        assert pool.nbytes() == (64 + plan.page_size) * aux.draft_cell_bytes
 
 
 def test_eagle_with_other_kv_dtype_is_refused():
@@ -257,7 +282,7 @@ def test_eagle_with_other_kv_dtype_is_refused():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from sglite.srt.mem_cache.kv_cache_configurator import KVPools  # noqa: E402
+from sglite.srt.model_executor.kv_cache_configurator import KVPools  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)

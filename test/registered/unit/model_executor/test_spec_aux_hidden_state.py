@@ -19,9 +19,9 @@ from sglite.srt.model_executor.model_runner_components import spec_aux_hidden_st
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
     DraftResolutionError,
     _resolve_dflash_aux_hidden_state,
-    _resolve_dflash_draft_cell_size,
     resolve_spec_aux_hidden_state,
 )
+from sglite.srt.mem_cache.pool_plan import attn_pool_geometry
 from sglite.srt.runtime_context import ParallelNotInitializedError, ParallelState, scoped
 from sglite.srt.server_args import ServerArgs
 
@@ -85,7 +85,7 @@ def test_seed_case_draft_bytes_per_token(tp, dp, dpa, cp, expected_bytes):
     draft = ModelConfig.from_dict(_seed_draft_raw())
     for rank in (0, tp - 1):
         aux = _resolve_at(_args(tp=tp, dp=dp, dpa=dpa, cp=cp), draft, rank)
-        assert aux.dflash_draft_cell_size_per_token == expected_bytes
+        assert aux.draft_cell_bytes == expected_bytes
         assert aux.draft_num_layers == 5
         assert aux.target_layer_ids == (1, 9, 17, 25, 33)
         assert aux.draft_kv_cache_dtype == torch.bfloat16
@@ -126,13 +126,15 @@ def test_resolver_before_parallel_init_raises_with_context():
                                           draft_model_config=ModelConfig.from_dict(_seed_draft_raw()))
 
 
-def test_cell_size_helper_formula():
+def test_draft_price_is_the_draft_pool_geometry():
+    # heads(attn_tp) * (head_dim + v_head_dim) * layers * dtype bytes, computed once by the pool geometry.
     d = ModelConfig.from_dict(_seed_draft_raw())
-    assert _resolve_dflash_draft_cell_size(d, 5, torch.bfloat16, 1) == 20480
-    assert _resolve_dflash_draft_cell_size(d, 5, torch.float8_e4m3fn, 1) == 10240
-    assert _resolve_dflash_draft_cell_size(d, 5, torch.bfloat16, 2) == 10240
-    with pytest.raises(DraftResolutionError):
-        _resolve_dflash_draft_cell_size(d, 0, torch.bfloat16, 1)
+    assert attn_pool_geometry(d, range(5), torch.bfloat16, 1).cell_bytes() == 20480
+    assert attn_pool_geometry(d, range(5), torch.float8_e4m3fn, 1).cell_bytes() == 10240
+    assert attn_pool_geometry(d, range(5), torch.bfloat16, 2).cell_bytes() == 10240
+    aux = _resolve_at(_args(tp=2, dp=1), d)
+    assert aux.draft_geometry == attn_pool_geometry(d, range(5), torch.bfloat16, 2)
+    assert aux.draft_cell_bytes == aux.draft_geometry.cell_bytes() == 10240
 
 
 def test_real_dflash_and_dspark_drafts():
@@ -140,14 +142,14 @@ def test_real_dflash_and_dspark_drafts():
         aux = _resolve_at(_args(algo=algo), _load(name))
         assert aux.algorithm == algo and aux.is_dflash_family
         assert aux.target_layer_ids == (1, 9, 17, 25, 33)  # README: both drafts read these Qwen3-8B layers
-        assert aux.dflash_draft_cell_size_per_token == 8 * 256 * 5 * 2
+        assert aux.draft_cell_bytes == 8 * 256 * 5 * 2
         assert aux.draft_total_kv_heads == 8
 
 
 def test_draft_kv_dtype_override():
     aux = _resolve_at(_args(speculative_draft_kv_cache_dtype="fp8_e4m3"), ModelConfig.from_dict(_seed_draft_raw()))
     assert aux.draft_kv_cache_dtype == torch.float8_e4m3fn
-    assert aux.dflash_draft_cell_size_per_token == 8 * 256 * 5 * 1
+    assert aux.draft_cell_bytes == 8 * 256 * 5 * 1
 
 
 def test_no_speculation_is_empty():
@@ -155,7 +157,7 @@ def test_no_speculation_is_empty():
     with scoped(parallel=par):
         simulate_rank(par, 0)
         aux = resolve_spec_aux_hidden_state(ServerArgs(), _target())
-    assert not aux.has_draft and aux.dflash_draft_cell_size_per_token is None
+    assert not aux.has_draft and aux.draft_cell_bytes is None and aux.draft_geometry is None
 
 
 # ---------------------------------------------------------------- unresolvable drafts stop with a message
@@ -224,11 +226,11 @@ def _eagle_draft(**over):
 
 def test_eagle_layer_count_and_geometry_check():
     aux = _resolve_at(_args(algo="EAGLE"), _eagle_draft())
-    assert aux.eagle_draft_num_layers == 1 and aux.dflash_draft_cell_size_per_token is None
+    assert aux.draft_num_layers == 1 and aux.draft_geometry.num_layers == 1 and not aux.is_dflash_family
     with pytest.raises(DraftResolutionError, match="geometry"):
         _resolve_at(_args(algo="EAGLE"), _eagle_draft(num_key_value_heads=4))
     mtp = _eagle_draft(num_nextn_predict_layers=2)
-    assert _resolve_at(_args(algo="STANDALONE"), mtp).eagle_draft_num_layers == 2
+    assert _resolve_at(_args(algo="STANDALONE"), mtp).draft_num_layers == 2
 
 
 def test_module_reads_the_live_width_only():
@@ -252,7 +254,7 @@ def test_block_is_resolved_once_into_the_spec_config(draft_file, algo, flags, ex
     """B lives in the spec config; the KV plan's verify columns and the CUDA-graph widths read it."""
     from types import SimpleNamespace
 
-    from sglite.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglite.srt.model_executor.kv_cache_configurator import KVCacheConfigurator
     from sglite.srt.model_executor.cuda_graph_runner import plan_cuda_graphs
     from sglite.srt.model_executor.forward_batch_info import ForwardMode
 

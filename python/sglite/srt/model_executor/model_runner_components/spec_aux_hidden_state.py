@@ -16,11 +16,10 @@ from typing import Any, Optional
 import torch
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelConfigError, draft_tokens_per_block
-from sglite.srt.mem_cache.kv_cache_dtype import KVCacheDtypeError, configure_kv_cache_dtype, kv_dtype_bytes
+from sglite.srt.mem_cache.kv_cache_dtype import KVCacheDtypeError, configure_kv_cache_dtype
+from sglite.srt.mem_cache.pool_plan import AttnPoolGeometry, attn_pool_geometry
 from sglite.srt.runtime_context import ParallelNotInitializedError, get_parallel
-
-DFLASH_FAMILY = ("DFLASH", "DSPARK")
-LAYER_RATIO_FAMILY = ("EAGLE", "STANDALONE")
+from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
 
 
 class DraftResolutionError(ValueError):
@@ -35,10 +34,9 @@ class SpecAuxHiddenStateConfig:
     # DFLASH/DSPARK: target layers whose output hidden states feed the draft (DFlash convention).
     target_layer_ids: tuple[int, ...] = ()
     draft_num_layers: int = 0
-    # Exact draft KV bytes per token per rank (DFLASH/DSPARK only).
-    dflash_draft_cell_size_per_token: Optional[int] = None
-    # EAGLE/STANDALONE: draft layers, priced by the target's per-layer geometry (layer ratio).
-    eagle_draft_num_layers: Optional[int] = None
+    # The draft pool's per-rank geometry: its ``cell_bytes()`` is the draft's KV price, for the resolver,
+    # the configurators, the planner and the pool builder alike.
+    draft_geometry: Optional[AttnPoolGeometry] = None
     draft_kv_cache_dtype: Optional[torch.dtype] = None
     draft_total_kv_heads: Optional[int] = None
     draft_kv_heads_per_rank: Optional[int] = None
@@ -59,7 +57,12 @@ class SpecAuxHiddenStateConfig:
     @property
     def is_dflash_family(self) -> bool:
         """DFLASH and DSPARK: exact draft term from the draft's own geometry."""
-        return self.algorithm in DFLASH_FAMILY
+        return SpeculativeAlgorithm.from_string(self.algorithm).is_dflash_family()
+
+    @property
+    def draft_cell_bytes(self) -> Optional[int]:
+        """Draft KV bytes per token per rank: the draft pool geometry's ``cell_bytes()`` (None without a draft)."""
+        return self.draft_geometry.cell_bytes() if self.draft_geometry is not None else None
 
     @property
     def num_verify_tokens(self) -> int:
@@ -120,17 +123,6 @@ def _resolve_dflash_aux_hidden_state(
     if out_of_range:
         raise _fail(algo, where, f"target_layer_ids {out_of_range} are outside the target's {n_target} layers")
     return ids, num_layers
-
-
-def _resolve_dflash_draft_cell_size(
-    draft_model_config: Any, draft_num_layers: int, draft_kv_cache_dtype: torch.dtype, attn_tp_size: int
-) -> int:
-    """Exact draft KV bytes per token per rank: heads(attn_tp) * (head_dim + v_head_dim) * layers * dtype bytes."""
-    if draft_num_layers <= 0:
-        raise DraftResolutionError(f"draft layer count {draft_num_layers} must be > 0 to price its KV pool")
-    heads = int(draft_model_config.get_num_kv_heads(attn_tp_size))
-    cell = heads * (draft_model_config.head_dim + draft_model_config.v_head_dim) * draft_num_layers
-    return cell * kv_dtype_bytes(draft_kv_cache_dtype)
 
 
 def resolve_block_geometry(server_args: Any, draft_model_config: ModelConfig) -> tuple[int, int]:
@@ -212,9 +204,11 @@ def _check_shares_target_geometry(draft: ModelConfig, target: ModelConfig, algo:
         )
 
 
-def _draft_kv_fields(draft: ModelConfig, dtype: torch.dtype, attn_tp_size: int) -> dict[str, Any]:
+def _draft_kv_fields(draft: ModelConfig, n_layers: int, dtype: torch.dtype, attn_tp_size: int) -> dict[str, Any]:
     """The draft-pool geometry fields of SpecAuxHiddenStateConfig every draft algorithm fills the same way."""
+    geometry = attn_pool_geometry(draft, range(n_layers), dtype, attn_tp_size, mla=draft.kv_lora_rank is not None)
     return dict(
+        draft_geometry=geometry,
         draft_kv_cache_dtype=dtype,
         draft_total_kv_heads=draft.num_key_value_heads,
         draft_kv_heads_per_rank=draft.get_num_kv_heads(attn_tp_size),
@@ -238,26 +232,27 @@ def resolve_spec_aux_hidden_state(
     ``model_dtype`` is the runtime dtype (it resolves a KV dtype of ``auto``).
     """
     algo = server_args.speculative_algorithm
-    if algo is None:
+    try:
+        spec = SpeculativeAlgorithm.from_string(algo)
+    except ValueError as e:
+        raise DraftResolutionError(str(e)) from None
+    if spec.is_none():
         return SpecAuxHiddenStateConfig()
-    if algo not in DFLASH_FAMILY + LAYER_RATIO_FAMILY:
-        raise DraftResolutionError(f"--speculative-algorithm {algo!r} is unknown")
     draft = draft_model_config if draft_model_config is not None else load_draft_model_config(server_args)
     attn_tp_size = _live_attn_tp_size()
     dtype = _resolve_draft_dtype(server_args, draft, model_dtype)
-    if algo in DFLASH_FAMILY:
+    if spec.is_dflash_family():
         ids, n_layers = _resolve_dflash_aux_hidden_state(algo, draft, target_model_config)
-        cell = _resolve_dflash_draft_cell_size(draft, n_layers, dtype, attn_tp_size)
         block, n_drafts = resolve_block_geometry(server_args, draft)
         return SpecAuxHiddenStateConfig(
             algorithm=algo,
             target_layer_ids=tuple(ids),
             draft_num_layers=n_layers,
-            dflash_draft_cell_size_per_token=cell,
             draft_block_size=block,
             num_proposed_drafts=n_drafts,
-            **_draft_kv_fields(draft, dtype, attn_tp_size),
+            **_draft_kv_fields(draft, n_layers, dtype, attn_tp_size),
         )
+    # EAGLE/STANDALONE: priced by the target's per-layer geometry (the layer ratio).
     _check_shares_target_geometry(draft, target_model_config, algo)
     n_layers = eagle_draft_num_layers(draft)
     if n_layers <= 0:
@@ -265,7 +260,6 @@ def resolve_spec_aux_hidden_state(
     return SpecAuxHiddenStateConfig(
         algorithm=algo,
         draft_num_layers=n_layers,
-        eagle_draft_num_layers=n_layers,
         num_proposed_drafts=int(server_args.speculative_num_draft_tokens or (server_args.speculative_num_steps or 1) + 1) - 1,
-        **_draft_kv_fields(draft, dtype, attn_tp_size),
+        **_draft_kv_fields(draft, n_layers, dtype, attn_tp_size),
     )

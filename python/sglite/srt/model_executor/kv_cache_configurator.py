@@ -16,7 +16,7 @@ runner passes the target's ``MemoryPoolConfig`` and gets it back verbatim (it ne
 from __future__ import annotations
 
 import logging
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -25,20 +25,19 @@ from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from sglite.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
 from sglite.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglite.srt.mem_cache.pool_plan import MemoryPlanError, MemoryPoolConfig, dtype_name
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
-    DFLASH_FAMILY,
     SpecAuxHiddenStateConfig,
+    resolve_spec_aux_hidden_state,
 )
 from sglite.srt.model_executor.pool_configurator import (
     DEFAULT_MAMBA_FULL_MEMORY_RATIO,
     DEFAULT_SWA_FULL_TOKENS_RATIO,
     ConfiguratorInputs,
-    MemoryPlanError,
-    PlannedPool,
-    PoolPlan,
     create_pool_configurator,
 )
 from sglite.srt.runtime_context import get_parallel
+from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
 
 logger = logging.getLogger(__name__)
 
@@ -77,75 +76,6 @@ def min_across_group(value: int, group: Any) -> int:
 def compute_device_budget_bytes(pre_model_load_free_bytes: int, weights_bytes: int, mem_fraction_static: float) -> int:
     """KV budget on a device: the static share of the memory free before weights, minus the weights."""
     return int(pre_model_load_free_bytes * mem_fraction_static) - int(weights_bytes)
-
-
-# ====================================================================== the config
-
-
-def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
-    """'bfloat16' for torch.bfloat16 (JSON-friendly)."""
-    return None if dtype is None else str(dtype).replace("torch.", "")
-
-
-@dataclass
-class MemoryPoolConfig:
-    """The per-rank memory plan: capacities, cell sizes and the exact pools to build.
-
-    Every field is JSON-friendly (``dataclasses.asdict`` goes straight to /get_server_info); the
-    geometries to build from are in ``self.plan`` (a ``PoolPlan``, passed as ``pool_plan``).
-    """
-
-    max_total_num_tokens: int
-    max_running_requests: int
-    target_cell_bytes: int  # target KV bytes per token per rank (SWA: incl. the sliding share and mapping)
-    draft_cell_bytes: int  # draft KV bytes per token per rank (0 without a draft)
-    budget_bytes: int
-    page_size: int
-    context_len: int
-    req_to_token_context_len: int
-    kv_cache_dtype: str  # dtype_name of the target KV dtype
-    attn_tp_size: int
-    attn_dp_size: int
-    configurator: str
-    pool_plan: InitVar[PoolPlan]
-    planned_pool_bytes: dict[str, int] = field(default_factory=dict)  # filled from the plan
-    swa_max_total_num_tokens: Optional[int] = None
-    mamba_state_slots: Optional[int] = None
-    state_bytes_per_slot: Optional[int] = None
-    speculative_algorithm: Optional[str] = None
-    draft_kv_cache_dtype: Optional[str] = None
-    target_kv_heads_per_rank: Optional[int] = None  # None for MLA (latent, not per head)
-    draft_kv_heads_per_rank: Optional[int] = None
-    max_total_tokens_flag: Optional[int] = None
-
-    def __post_init__(self, pool_plan: PoolPlan) -> None:
-        if self.max_total_num_tokens <= 0:
-            raise MemoryPlanError("Not enough memory: the plan has no KV tokens; raise the memory budget")
-        self.plan = pool_plan  # not a field: asdict() stays JSON-friendly
-        self.planned_pool_bytes = {p.name: p.planned_bytes for p in pool_plan.planned_pools()}
-
-    @property
-    def kv_cache_torch_dtype(self) -> torch.dtype:
-        """The target KV dtype as a torch dtype (the field holds its name)."""
-        return getattr(torch, self.kv_cache_dtype)
-
-    @property
-    def draft_kv_cache_torch_dtype(self) -> Optional[torch.dtype]:
-        """The draft KV dtype as a torch dtype (None without a draft)."""
-        return None if self.draft_kv_cache_dtype is None else getattr(torch, self.draft_kv_cache_dtype)
-
-    @property
-    def max_context_len(self) -> int:
-        """Columns of the request→token table (context length plus speculative/page slack)."""
-        return self.req_to_token_context_len
-
-    def planned_pools(self) -> list[PlannedPool]:
-        """Every allocation of the plan with its exact bytes."""
-        return self.plan.planned_pools()
-
-    def planned_total_bytes(self) -> int:
-        """Sum of all planned allocations (<= budget_bytes)."""
-        return self.plan.total_bytes()
 
 
 # ====================================================================== configurator
@@ -340,7 +270,9 @@ def _check_model_matches(cfg: MemoryPoolConfig, model_config: ModelConfig, is_dr
         g = plan.draft
         if g is None:
             raise MemoryPlanError("the memory plan was made without a draft; cannot build a draft pool")
-        if g.num_layers != model_config.num_hidden_layers and cfg.speculative_algorithm in DFLASH_FAMILY:
+        if g.num_layers != model_config.num_hidden_layers and SpeculativeAlgorithm.from_string(
+            cfg.speculative_algorithm
+        ).is_dflash_family():
             raise MemoryPlanError(
                 f"the plan priced {g.num_layers} draft layers but the draft model has {model_config.num_hidden_layers}"
             )
@@ -358,6 +290,15 @@ def _check_model_matches(cfg: MemoryPoolConfig, model_config: ModelConfig, is_dr
         raise MemoryPlanError("the memory plan's layers do not cover this model's layers; it was planned for another model")
 
 
+def check_plan_matches_rank(memory_pool_config: MemoryPoolConfig) -> None:
+    """A plan made elsewhere (the draft runner reuses the target's) must be built at this rank's live width."""
+    live = int(get_parallel().attn_tp_size)
+    if live != memory_pool_config.attn_tp_size:
+        raise MemoryPlanError(
+            f"pools planned at attn_tp_size={memory_pool_config.attn_tp_size} but this rank runs at {live}"
+        )
+
+
 def build_pools(
     memory_pool_config: MemoryPoolConfig,
     model_config: ModelConfig,
@@ -371,12 +312,8 @@ def build_pools(
 
     The draft gets its own KV pool at the target's capacity and shares ``target_pools``' allocator and
     request table. ``with_allocator=False`` skips the allocator (``meta`` builds in ``sglite plan``).
+    Everything it needs is in the plan (widths included): it reads no process-wide state.
     """
-    live = int(get_parallel().attn_tp_size)
-    if live != memory_pool_config.attn_tp_size:
-        raise MemoryPlanError(
-            f"pools planned at attn_tp_size={memory_pool_config.attn_tp_size} but this rank runs at {live}"
-        )
     _check_model_matches(memory_pool_config, model_config, is_draft)
     plan = memory_pool_config.plan
     if is_draft:
@@ -401,3 +338,56 @@ def build_pools(
         req_to_token_pool=plan.build_req_to_token_pool(device),
         token_to_kv_pool_allocator=allocator,
     )
+
+
+@dataclass
+class PlannedPools:
+    """One rank's resolved draft price, its memory plan, and the pools built from that plan."""
+
+    spec_aux_config: SpecAuxHiddenStateConfig
+    memory_pool_config: MemoryPoolConfig
+    target: KVPools
+    draft: Optional[KVPools] = None
+
+    def allocated_bytes(self) -> dict[str, int]:
+        """Bytes each built pool allocated, named as in the plan."""
+        out = dict(self.target.allocated_bytes())
+        if self.draft is not None:
+            out.update(self.draft.allocated_bytes())
+        return out
+
+
+def plan_and_build_pools(
+    server_args: Any,
+    model_config: ModelConfig,
+    *,
+    pool_device: str,
+    model_dtype: Optional[torch.dtype] = None,
+    spec_aux_config: Optional[SpecAuxHiddenStateConfig] = None,
+    draft_model_config: Optional[ModelConfig] = None,
+    build_draft: bool = False,
+    with_allocator: bool = True,
+    swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO,
+    **budget: Any,
+) -> PlannedPools:
+    """Resolve the draft's price, solve the plan, build the target's pools (and the draft's, ``build_draft``).
+
+    The one orchestration of the target ``ModelRunner`` (real device; its draft runner builds the draft
+    pool) and of `sglite plan` (``pool_device="meta"``, both pools). ``budget`` goes to ``configure``
+    (CUDA profile, ``tp_group``); a given ``spec_aux_config`` skips the resolution (the planner needs it
+    first to estimate the draft's weights).
+    """
+    model_dtype = model_dtype or resolve_model_dtype(server_args.dtype, model_config)
+    aux = spec_aux_config or resolve_spec_aux_hidden_state(
+        server_args, model_config, draft_model_config=draft_model_config, model_dtype=model_dtype
+    )
+    budget_device = None if pool_device == "meta" else pool_device  # meta: budget as the server would on its device
+    cfg = KVCacheConfigurator(
+        server_args, model_config, aux, model_dtype=model_dtype, device=budget_device,
+        swa_full_tokens_ratio=swa_full_tokens_ratio,
+    ).configure(**budget)
+    target = build_pools(cfg, model_config, device=pool_device, with_allocator=with_allocator)
+    draft = None
+    if build_draft and aux.has_draft:
+        draft = build_pools(cfg, aux.draft_model_config, device=pool_device, is_draft=True, target_pools=target)
+    return PlannedPools(aux, cfg, target, draft)

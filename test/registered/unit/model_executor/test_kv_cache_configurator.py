@@ -18,15 +18,16 @@ import transformers
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import simulate_rank
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
-from sglite.srt.mem_cache.kv_cache_configurator import (
+from sglite.srt.model_executor.kv_cache_configurator import (
     MiB,
     KVCacheConfigurator,
     build_pools,
+    check_plan_matches_rank,
     compute_device_budget_bytes,
     min_across_group,
 )
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import resolve_spec_aux_hidden_state
-from sglite.srt.model_executor.pool_configurator import MemoryPlanError
+from sglite.srt.mem_cache.pool_plan import MemoryPlanError
 from sglite.srt.runtime_context import ParallelState, scoped
 from sglite.srt.server_args import ServerArgs
 
@@ -200,15 +201,14 @@ def test_cuda_budget_formula_and_min_over_group(tmp_path):
         conf.resolve_budget_bytes(pre_model_load_free_bytes=10 * MiB, weights_bytes=9 * MiB)
 
 
-def test_build_pools_refuses_another_width(tmp_path):
+def test_a_plan_built_at_another_width_is_refused(tmp_path):
     sa = ServerArgs(model_path=_tiny_qwen3(tmp_path), device="cpu", cpu_kv_cache_budget_mb=1, tp_size=2)
     cfg, _, _ = _configure(sa)
-    mc = ModelConfig.from_path(sa.model_path)
     par = ParallelState(2, 2, True)  # attn_tp 1, but the plan was made at attn_tp 2
     with scoped(parallel=par):
         simulate_rank(par, 0)
         with pytest.raises(MemoryPlanError, match="attn_tp_size"):
-            build_pools(cfg, mc, device="meta")
+            check_plan_matches_rank(cfg)
 
 
 def test_pd_decode_node_adds_request_rows(tmp_path):

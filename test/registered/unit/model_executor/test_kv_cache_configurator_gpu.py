@@ -11,7 +11,7 @@ import torch
 
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import simulate_rank
-from sglite.srt.mem_cache.kv_cache_configurator import (
+from sglite.srt.model_executor.kv_cache_configurator import (
     GiB,
     KVCacheConfigurator,
     build_pools,
