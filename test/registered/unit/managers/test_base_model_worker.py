@@ -15,7 +15,7 @@ from sglite.testing.fake_model_worker import FakeModelWorker
 from sglite.testing.tiny_dflash import build_tiny_dflash_draft, build_tiny_target
 
 SUITE = "unit-cpu"
-EST_TIME = 10
+EST_TIME = 12
 
 
 @pytest.fixture(scope="module")
