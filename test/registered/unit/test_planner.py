@@ -11,6 +11,8 @@ import json
 import os
 import random
 
+import pytest
+
 from sglite.srt.configs.model_config import ModelConfig, build_target_layer_ids
 from sglite.srt.planner import GiB, estimate_weight_bytes_per_rank, main, plan_topology
 from sglite.srt.runtime_context import derive_attention_widths

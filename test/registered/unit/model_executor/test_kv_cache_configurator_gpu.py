@@ -3,7 +3,6 @@
 SUITE = "gpu"
 EST_TIME = 30
 
-import json
 import os
 
 import pytest
