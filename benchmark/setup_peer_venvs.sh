@@ -30,7 +30,7 @@ setup_llama() {
   [ -x "$LLAMA_VENV/bin/python" ] || "$PY" -m venv "$LLAMA_VENV"
   # A C++ source build of llama.cpp (CPU only); CMAKE_BUILD_PARALLEL_LEVEL keeps it to the box's cores.
   CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" \
-    nice -n 10 "$LLAMA_VENV/bin/pip" install "llama-cpp-python==0.3.36"
+    nice -n 19 "$LLAMA_VENV/bin/pip" install "llama-cpp-python[server]==0.3.36"
   "$LLAMA_VENV/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
 }
 

@@ -54,6 +54,10 @@ class ServerArgs:
     dtype: str = _opt("Weight and activation dtype", "auto", DTYPES)
     device: Optional[str] = _opt("Device; default: cuda when available, else cpu", None, DEVICES)
     random_seed: int = _opt("Random seed for sampling without a per-request seed", 0)
+    cpu_threads: Optional[int] = _opt(
+        "Compute (OpenMP) threads per scheduler rank on CPU; default: the rank's CPUs in SGLANG_CPU_OMP_THREADS_BIND, "
+        "else this machine's CPUs less one for the front end, over --tp-size (managers/cpu_threads.py)"
+    )
 
     # HTTP server.
     host: str = _opt("HTTP host", "127.0.0.1")
@@ -152,6 +156,7 @@ class ServerArgs:
             and 0.0 < self.mem_fraction_static < 1.0,
             f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}",
         )
+        _require(self.cpu_threads is None or self.cpu_threads >= 1, "--cpu-threads must be >= 1")
         _require(self.page_size >= 1, "--page-size must be >= 1")
         _require(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs must be >= 1 (use --disable-cuda-graph to turn graphs off)")
         _require(self.cpu_kv_cache_budget_mb > 0, "--cpu-kv-cache-budget-mb must be > 0")
