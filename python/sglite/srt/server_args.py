@@ -111,6 +111,10 @@ class ServerArgs:
     )
     speculative_dspark_block_size: Optional[int] = _opt("DSPARK draft block size B; default: the checkpoint's")
     speculative_num_steps: Optional[int] = _opt("Draft steps (EAGLE/STANDALONE)")
+    speculative_disable_by_batch_size: Optional[int] = _opt(
+        "DFLASH/DSPARK: decode steps with at least this many running requests skip the draft (the target decodes "
+        "alone and still fills the draft's context KV); drafting resumes when the batch shrinks. Default: always draft"
+    )
     speculative_draft_kv_cache_dtype: Optional[str] = _opt("Draft KV cache dtype; default: --kv-cache-dtype", None, KV_CACHE_DTYPES)
     speculative_draft_attention_backend: Optional[str] = _opt("Draft attention backend; default: --attention-backend", None, ATTENTION_BACKENDS)
     # SGLang selects the DSPARK verify mode with the environment variable SGLANG_RAGGED_VERIFY_MODE;
@@ -192,6 +196,12 @@ class ServerArgs:
             _require(
                 self.speculative_draft_model_path is None,
                 "--speculative-draft-model-path is set but --speculative-algorithm is not",
+            )
+        if self.speculative_disable_by_batch_size is not None:
+            _require(self.speculative_disable_by_batch_size >= 1, "--speculative-disable-by-batch-size must be >= 1")
+            _require(
+                algo in ("DFLASH", "DSPARK"),
+                "--speculative-disable-by-batch-size needs --speculative-algorithm DFLASH or DSPARK",
             )
         if self.speculative_num_draft_tokens is not None:
             _require(self.speculative_num_draft_tokens >= 1, "--speculative-num-draft-tokens must be >= 1")
