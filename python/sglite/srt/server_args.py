@@ -199,8 +199,8 @@ class ServerArgs:
             )
         if self.speculative_disable_by_batch_size is not None:
             _require(self.speculative_disable_by_batch_size >= 1, "--speculative-disable-by-batch-size must be >= 1")
-            _require(
-                algo in ("DFLASH", "DSPARK"),
+            _require(  # no --model-path: the embedded default pair, a DFLASH draft (launch_server.resolve_default_model)
+                algo in ("DFLASH", "DSPARK") or (algo is None and self.model_path is None),
                 "--speculative-disable-by-batch-size needs --speculative-algorithm DFLASH or DSPARK",
             )
         if self.speculative_num_draft_tokens is not None:

@@ -630,4 +630,5 @@ def test_disable_by_batch_size_needs_a_block_draft():
     from sglite.srt.server_args import ServerArgsError
 
     with pytest.raises(ServerArgsError, match="--speculative-disable-by-batch-size"):
-        ServerArgs(speculative_disable_by_batch_size=4).validate()
+        ServerArgs(model_path="/some/target", speculative_disable_by_batch_size=4).validate()
+    ServerArgs(speculative_disable_by_batch_size=4).validate()  # the embedded default pair has a DFLASH draft
