@@ -247,9 +247,25 @@ def run_offline_round(engine: str, job: dict[str, Any], workdir: str, timeout_s:
         json.dump(job, f)
     cmd = [engine_python(engine), os.path.abspath(__file__), "--worker", engine, "--job", job_path, "--out", out_path]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=engine_env(engine, job["threads"]), capture_output=True, text=True, timeout=timeout_s)
-    if p.returncode != 0 or not os.path.exists(out_path):
-        print(f"  {engine}: failed (rc {p.returncode}) {p.stderr[-800:]}", flush=True)
+    log_path = os.path.join(workdir, f"worker_{engine}.log")
+    # Own session and a log file, not pipes: engines leave children (vLLM's EngineCore) that would hold a
+    # pipe open; the whole group is killed once the worker is done.
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, env=engine_env(engine, job["threads"]), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            rc = p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if rc != 0 or not os.path.exists(out_path):
+        with open(log_path) as f:
+            tail = f.read()[-800:]
+        print(f"  {engine}: failed (rc {rc}) {tail}", flush=True)
         return None
     with open(out_path) as f:
         res = json.load(f)
@@ -401,6 +417,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 res = run_offline_round(e, job, args.work_dir, args.timeout)
                 if res is not None:
                     results[e].append(res)
+                    with open(os.path.join(args.work_dir, f"offline_{e}_round{r + 1}.json"), "w") as f:
+                        json.dump(res, f)
         table = summarize_offline(results, args.batch_sizes)
         report["offline"] = table
         print("\nOffline decode tok/s (median of rounds); ratio = sglite / peer; same = greedy outputs equal to sglite's")
