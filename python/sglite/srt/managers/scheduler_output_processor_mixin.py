@@ -57,7 +57,8 @@ class SchedulerOutputProcessorMixin:
                 req.spec_accepted_tokens += kept
                 step = self.worker.last_step
                 req.spec_verified_drafts += step.verified_drafts
-                req.spec_capped_ct += int(step.verified_drafts < self.worker.num_proposed_drafts)
+                # 0 verified: a draft-free step (--speculative-disable-by-batch-size), not a capped block.
+                req.spec_capped_ct += int(0 < step.verified_drafts < self.worker.num_proposed_drafts)
                 self.spec_verify_total += 1
                 self.spec_accepted_total += kept
             self._record_logprobs(req, batch, i, kept)
