@@ -199,7 +199,7 @@ class ServerArgs:
             )
         if self.speculative_disable_by_batch_size is not None:
             _require(self.speculative_disable_by_batch_size >= 1, "--speculative-disable-by-batch-size must be >= 1")
-            _require(  # no --model-path: the embedded default pair, a DFLASH draft (launch_server.resolve_default_model)
+            _require(  # no --model-path: the embedded default pair, a DFLASH draft (default_model.resolve_default_model)
                 algo in ("DFLASH", "DSPARK") or (algo is None and self.model_path is None),
                 "--speculative-disable-by-batch-size needs --speculative-algorithm DFLASH or DSPARK",
             )
