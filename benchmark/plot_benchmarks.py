@@ -55,18 +55,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         _bars(next(ax_iter), [f"conc {r['concurrency']}\naccept {r['accept_length']:.2f}" for r in rows],
               {"no draft": [r["plain_tok_s"] for r in rows], "DFLASH": [r["spec_tok_s"] for r in rows]},
               "output tok/s", "DFLASH speed-up (default pair, held-out prompts, CPU)")
-    if "offline" in peer_panels:
-        rows = peers["offline"]
-        engines = [k[: -len("_decode_tok_s")] for k in rows[0] if k.endswith("_decode_tok_s")]
-        _bars(next(ax_iter), [f"batch {r['batch_size']}" for r in rows],
-              {e: [r[f"{e}_decode_tok_s"] for r in rows] for e in engines},
-              "decode tok/s", f"offline decode, {peers['model']}, {peers['threads']} thread(s)")
-    if "online" in peer_panels:
-        rows = peers["online"]
-        engines = [k[: -len("_output_throughput")] for k in rows[0] if k.endswith("_output_throughput")]
-        _bars(next(ax_iter), [f"conc {r['concurrency']}" for r in rows],
-              {e: [r[f"{e}_output_throughput"] for r in rows] for e in engines},
-              "output tok/s", f"online serving, {peers['model']}, {peers['threads']} thread(s)")
+    for panel in peer_panels:  # (x key, x label, metric suffix, y label, title) per bench_peers table
+        xkey, xlabel, suffix, ylabel, what = {
+            "offline": ("batch_size", "batch", "_decode_tok_s", "decode tok/s", "offline decode"),
+            "online": ("concurrency", "conc", "_output_throughput", "output tok/s", "online serving"),
+        }[panel]
+        rows = peers[panel]
+        engines = [k[: -len(suffix)] for k in rows[0] if k.endswith(suffix)]
+        _bars(next(ax_iter), [f"{xlabel} {r[xkey]}" for r in rows], {e: [r[e + suffix] for r in rows] for e in engines},
+              ylabel, f"{what}, {peers['model']}, {peers['threads']} thread(s)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     fig.savefig(args.out, dpi=110)
