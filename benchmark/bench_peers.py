@@ -278,7 +278,8 @@ def server_cmd(engine: str, model_dir: str, gguf: Optional[str], port: int, thre
     """The OpenAI-compatible server of an engine."""
     if engine == "sglite":
         return [sys.executable, "-m", "sglite.launch_server", "--model-path", model_dir, "--port", str(port),
-                "--dtype", "float32", "--cpu-threads", str(threads), "--log-level", "warning"]
+                "--dtype", "float32", "--cpu-threads", str(threads), "--log-level", "warning",
+                "--served-model-name", "default"]
     if engine == "vllm":
         return [engine_python(engine), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--port", str(port), "--dtype", "float32", "--no-enable-prefix-caching", "--served-model-name", "default"]
