@@ -8,8 +8,9 @@ time slice at every barrier of the step: on the 2-core box a plain server's medi
 
 - a scheduler rank runs ``--cpu-threads`` threads; without the flag, the cores listed for its rank in
   ``SGLANG_CPU_OMP_THREADS_BIND`` (SGLang's CPU variable: ``"0-3|4-7"``, one ``|``-separated CPU list
-  per TP rank, to which the rank is also pinned), else the process's CPUs less one reserved for the
-  front-end processes (as vLLM's CPU build reserves one by default), split over the TP ranks;
+  per TP rank, to which the rank is also pinned), else ``OMP_NUM_THREADS`` when the user set it, else the
+  process's CPUs less one reserved for the front-end processes (as vLLM's CPU build reserves one by
+  default), split over the TP ranks;
 - idle OpenMP workers of a scheduler sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, and
   ``KMP_BLOCKTIME=0`` for Intel's runtime), unless the user set them: a spinning worker holds a core the
   front end needs. With it, 2 compute threads on the 2-core box served 308-469 tok/s at 12-33 ms median
@@ -54,9 +55,14 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
 
 
 def plan_cpu_threads(
-    cpu_threads: Optional[int], tp_rank: int, tp_size: int, bind: Optional[str], available_cpus: int
+    cpu_threads: Optional[int],
+    tp_rank: int,
+    tp_size: int,
+    bind: Optional[str],
+    available_cpus: int,
+    omp_num_threads: Optional[str] = None,
 ) -> CpuThreadPlan:
-    """The thread plan of TP rank ``tp_rank`` (pure: the flag, the env's value, the CPUs this process may use)."""
+    """The thread plan of TP rank ``tp_rank`` (pure: the flag, the env values, the CPUs this process may use)."""
     cpus = None
     if bind:
         lists = bind.split("|")
@@ -67,6 +73,8 @@ def plan_cpu_threads(
         return CpuThreadPlan(cpu_threads, cpus)
     if cpus is not None:
         return CpuThreadPlan(len(cpus), cpus)
+    if omp_num_threads and omp_num_threads.strip().isdigit() and int(omp_num_threads) >= 1:
+        return CpuThreadPlan(int(omp_num_threads))
     return CpuThreadPlan(max(1, (available_cpus - RESERVED_FRONTEND_CPUS) // tp_size))
 
 
@@ -74,7 +82,10 @@ def apply_scheduler_threads(cpu_threads: Optional[int], tp_rank: int, tp_size: i
     """Pin and size this scheduler rank's compute threads (call at process start, before the model loads)."""
     import torch
 
-    plan = plan_cpu_threads(cpu_threads, tp_rank, tp_size, os.environ.get(OMP_BIND_ENV), len(os.sched_getaffinity(0)))
+    plan = plan_cpu_threads(
+        cpu_threads, tp_rank, tp_size, os.environ.get(OMP_BIND_ENV), len(os.sched_getaffinity(0)),
+        os.environ.get("OMP_NUM_THREADS"),
+    )
     if plan.cpus is not None:
         os.sched_setaffinity(0, plan.cpus)
     torch.set_num_threads(plan.num_threads)

@@ -15,6 +15,12 @@ def test_default_reserves_one_cpu_for_the_front_end_and_splits_over_ranks():
     assert plan_cpu_threads(None, 1, 2, None, available_cpus=17) == CpuThreadPlan(8)
 
 
+def test_a_user_set_omp_num_threads_is_kept_without_the_flag():
+    assert plan_cpu_threads(None, 0, 1, None, available_cpus=64, omp_num_threads="1") == CpuThreadPlan(1)
+    assert plan_cpu_threads(4, 0, 1, None, available_cpus=64, omp_num_threads="1") == CpuThreadPlan(4)
+    assert plan_cpu_threads(None, 0, 1, None, available_cpus=3, omp_num_threads="") == CpuThreadPlan(2)
+
+
 def test_flag_wins_and_env_binds_each_rank_to_its_cpus():
     assert plan_cpu_threads(3, 0, 1, None, available_cpus=2) == CpuThreadPlan(3)
     assert plan_cpu_threads(None, 1, 2, "0-3|4-5,7", available_cpus=8) == CpuThreadPlan(3, (4, 5, 7))
