@@ -2,12 +2,15 @@
 
     python benchmark/profile_cpu_decode.py step --model-path DIR --batch-size 1 8 32 [--profile] [--no-pack]
     python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024
+    python benchmark/profile_cpu_decode.py spec-disable --num-prompts 32 --output-len 48
 
 ``step``: 32-token random prompts, one prefill, 12 decode steps; prints the median ``time.process_time``
 per step (steady on a shared box, unlike wall time). ``--no-pack`` skips cpu_gemm's packed copies (the
 before/after A/B). ``gemm``: the model's five weight shapes, one call each, best of 5 interleaved rounds:
 ``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed
-(``mkldnn::_linear_pointwise``). Run with OMP_NUM_THREADS=1 for per-thread proportions.
+(``mkldnn::_linear_pointwise``). ``spec-disable``: an in-process Scheduler on the embedded default pair,
+greedy, plain vs DFLASH with ``--speculative-disable-by-batch-size 1`` (never drafts) vs DFLASH, CPU
+seconds for the whole run, alternated twice, outputs compared. Run with OMP_NUM_THREADS=1.
 """
 
 from __future__ import annotations
@@ -91,6 +94,49 @@ def gemm(args: argparse.Namespace) -> None:
         print(f"M {m:>5}: " + "  ".join(f"{meth} {min(v) * 1e3:.2f} ms" for meth, v in best.items()))
 
 
+def spec_disable(args: argparse.Namespace) -> None:
+    """CPU seconds of plain / DFLASH-with-drafting-disabled / DFLASH schedulers on the same greedy prompts."""
+    from sglite.bench_offline import random_prompt_ids
+    from sglite.srt.default_model import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR
+    from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
+    from sglite.srt.managers.scheduler import Scheduler
+    from sglite.srt.managers.tp_worker import TpModelWorker
+    from sglite.srt.runtime_context import ParallelState, scoped
+    from sglite.srt.server_args import ServerArgs
+    from sglite.srt.speculative.dflash_worker import create_dflash_worker
+    from sglite.testing.runner_generate import scheduler_greedy_generate
+
+    prompts = random_prompt_ids(args.num_prompts, 64, 4000, 0)
+
+    def run(kind: str) -> tuple[float, list]:
+        kw = dict(model_path=DEFAULT_MODEL_DIR, device="cpu", dtype="float32", max_running_requests=64)
+        if kind != "plain":
+            kw.update(speculative_algorithm="DFLASH", speculative_draft_model_path=DEFAULT_DRAFT_DIR)
+        if kind == "disabled":
+            kw["speculative_disable_by_batch_size"] = 1
+        sa = ServerArgs(**kw).validate()
+        with scoped(parallel=ParallelState(tp_size=1)):
+            try:
+                worker = TpModelWorker.create(sa) if kind == "plain" else create_dflash_worker(sa)
+                sched = Scheduler(sa, worker)
+                scheduler_greedy_generate(sched, prompts[:2], 4)  # warm-up
+                t0 = time.process_time()
+                out = scheduler_greedy_generate(sched, prompts, args.output_len)
+                return time.process_time() - t0, out
+            finally:
+                destroy_parallel_runtime()
+
+    kinds = ("plain", "disabled", "dflash")
+    secs: dict[str, list[float]] = {k: [] for k in kinds}
+    outs = {}
+    for _ in range(2):
+        for k in kinds:
+            t, outs[k] = run(k)
+            secs[k].append(t)
+    for k in kinds:
+        print(f"{k:>9}: {' '.join(f'{t:.2f}' for t in secs[k])} CPU s; same tokens as plain: {outs[k] == outs['plain']}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Parse the sub-command and run it."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -103,8 +149,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     g = sub.add_parser("gemm")
     g.add_argument("--shapes", choices=sorted(SHAPES), default="200m")
     g.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256, 1024])
+    d = sub.add_parser("spec-disable")
+    d.add_argument("--num-prompts", type=int, default=32)
+    d.add_argument("--output-len", type=int, default=48)
     args = p.parse_args(argv)
-    step(args) if args.cmd == "step" else gemm(args)
+    {"step": step, "gemm": gemm, "spec-disable": spec_disable}[args.cmd](args)
     return 0
 
 
