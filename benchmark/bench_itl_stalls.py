@@ -60,6 +60,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 time.sleep(1)
         vocab = httpx.get(f"{url}/get_model_info", timeout=5).json().get("vocab_size")
         print(f"server: {' '.join(cmd[3:])}  env: {args.server_env or '-'}  load avg {os.getloadavg()[0]:.2f}")
+        warm = make_random_requests(2, args.input_len, args.output_len, 1.0, vocab or 4096, seed=99)
+        asyncio.run(run_benchmark(url, warm, "sglite", "default", None, float("inf"), 99, False))  # first-use costs
         print(f"{'run':>3} {'out tok/s':>10} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'p99/p50':>8}")
         for run in range(args.runs):
             reqs = make_random_requests(args.num_prompts, args.input_len, args.output_len, 1.0, vocab or 4096, seed=run)
