@@ -1,4 +1,4 @@
-"""CPU fp32 GEMM for small batches on MKL-packed weights (the target's linear layers and LM head).
+"""CPU fp32 GEMM for small batches on MKL-packed weights (linear layers and LM heads of target and draft).
 
 At decode batch sizes (M = 2..64 rows) MKL's ``sgemm`` spends much of each call re-blocking the weight
 into its micro-kernel layout; ``cblas_sgemm_pack`` does that once (torch exposes it as
