@@ -23,15 +23,18 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, ti
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Plot bench_vs_transformers and bench_spec results side by side."""
+    """Plot bench_vs_transformers, bench_spec and bench_peers results side by side."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--vs-transformers", help="bench_vs_transformers.py --result-file JSON")
     p.add_argument("--spec", help="bench_spec.py --result-file JSON")
+    p.add_argument("--peers", help="bench_peers.py --result-file JSON (offline and/or online panels)")
     p.add_argument("--out", required=True, help="PNG to write")
     args = p.parse_args(argv)
-    panels = [x for x in (args.vs_transformers, args.spec) if x]
+    peers = json.load(open(args.peers)) if args.peers else {}
+    peer_panels = [k for k in ("offline", "online") if peers.get(k)]
+    panels = [x for x in (args.vs_transformers, args.spec) if x] + peer_panels
     if not panels:
-        print("plot_benchmarks: give --vs-transformers and/or --spec", file=sys.stderr)
+        print("plot_benchmarks: give --vs-transformers, --spec and/or --peers", file=sys.stderr)
         return 2
     import matplotlib
 
@@ -52,6 +55,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         _bars(next(ax_iter), [f"conc {r['concurrency']}\naccept {r['accept_length']:.2f}" for r in rows],
               {"no draft": [r["plain_tok_s"] for r in rows], "DFLASH": [r["spec_tok_s"] for r in rows]},
               "output tok/s", "DFLASH speed-up (default pair, held-out prompts, CPU)")
+    for panel in peer_panels:  # (x key, x label, metric suffix, y label, title) per bench_peers table
+        xkey, xlabel, suffix, ylabel, what = {
+            "offline": ("batch_size", "batch", "_decode_tok_s", "decode tok/s", "offline decode"),
+            "online": ("concurrency", "conc", "_output_throughput", "output tok/s", "online serving"),
+        }[panel]
+        rows = peers[panel]
+        engines = [k[: -len(suffix)] for k in rows[0] if k.endswith(suffix)]
+        _bars(next(ax_iter), [f"{xlabel} {r[xkey]}" for r in rows], {e: [r[e + suffix] for r in rows] for e in engines},
+              ylabel, f"{what}, {peers['model']}, {peers['threads']} thread(s)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     fig.savefig(args.out, dpi=110)

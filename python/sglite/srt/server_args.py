@@ -54,6 +54,10 @@ class ServerArgs:
     dtype: str = _opt("Weight and activation dtype", "auto", DTYPES)
     device: Optional[str] = _opt("Device; default: cuda when available, else cpu", None, DEVICES)
     random_seed: int = _opt("Random seed for sampling without a per-request seed", 0)
+    cpu_threads: Optional[int] = _opt(
+        "Compute (OpenMP) threads per scheduler rank on CPU; default: the rank's CPUs in SGLANG_CPU_OMP_THREADS_BIND, "
+        "else this machine's CPUs less one for the front end, over --tp-size (managers/cpu_threads.py)"
+    )
 
     # HTTP server.
     host: str = _opt("HTTP host", "127.0.0.1")
@@ -107,6 +111,10 @@ class ServerArgs:
     )
     speculative_dspark_block_size: Optional[int] = _opt("DSPARK draft block size B; default: the checkpoint's")
     speculative_num_steps: Optional[int] = _opt("Draft steps (EAGLE/STANDALONE)")
+    speculative_disable_by_batch_size: Optional[int] = _opt(
+        "DFLASH/DSPARK: decode steps with at least this many running requests skip the draft (the target decodes "
+        "alone and still fills the draft's context KV); drafting resumes when the batch shrinks. Default: always draft"
+    )
     speculative_draft_kv_cache_dtype: Optional[str] = _opt("Draft KV cache dtype; default: --kv-cache-dtype", None, KV_CACHE_DTYPES)
     speculative_draft_attention_backend: Optional[str] = _opt("Draft attention backend; default: --attention-backend", None, ATTENTION_BACKENDS)
     # SGLang selects the DSPARK verify mode with the environment variable SGLANG_RAGGED_VERIFY_MODE;
@@ -152,6 +160,7 @@ class ServerArgs:
             and 0.0 < self.mem_fraction_static < 1.0,
             f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}",
         )
+        _require(self.cpu_threads is None or self.cpu_threads >= 1, "--cpu-threads must be >= 1")
         _require(self.page_size >= 1, "--page-size must be >= 1")
         _require(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs must be >= 1 (use --disable-cuda-graph to turn graphs off)")
         _require(self.cpu_kv_cache_budget_mb > 0, "--cpu-kv-cache-budget-mb must be > 0")
@@ -187,6 +196,12 @@ class ServerArgs:
             _require(
                 self.speculative_draft_model_path is None,
                 "--speculative-draft-model-path is set but --speculative-algorithm is not",
+            )
+        if self.speculative_disable_by_batch_size is not None:
+            _require(self.speculative_disable_by_batch_size >= 1, "--speculative-disable-by-batch-size must be >= 1")
+            _require(  # no --model-path: the embedded default pair, a DFLASH draft (default_model.resolve_default_model)
+                algo in ("DFLASH", "DSPARK") or (algo is None and self.model_path is None),
+                "--speculative-disable-by-batch-size needs --speculative-algorithm DFLASH or DSPARK",
             )
         if self.speculative_num_draft_tokens is not None:
             _require(self.speculative_num_draft_tokens >= 1, "--speculative-num-draft-tokens must be >= 1")

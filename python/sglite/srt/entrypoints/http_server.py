@@ -57,6 +57,7 @@ from sglite.srt.entrypoints.request_limits import (
     body_error_response,
     default_max_request_body_bytes,
 )
+from sglite.srt.managers.cpu_threads import limit_to_one_thread
 from sglite.srt.managers.io_struct import GenerateReqInput
 from sglite.srt.managers.tokenizer_manager import EngineDeadError, RequestValidationError
 from sglite.srt.server_args import ServerArgs
@@ -347,6 +348,7 @@ def launch_server(server_args: ServerArgs, *, scheduler_entry: Any = None) -> in
     except LaunchError as e:
         logger.error("start-up failed: %s", e)
         return 1
+    limit_to_one_thread()  # after the spawns: the HTTP/tokenizer process leaves the cores to the scheduler
     exit_status = 0
     try:
         app = create_app(runtime)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
 from sglite.srt.managers.base_model_worker import format_rank_report
+from sglite.srt.managers.cpu_threads import frontend_spawn_env, scheduler_spawn_env
 from sglite.srt.managers.data_parallel_controller import DPEndpoints, run_data_parallel_controller_process
 from sglite.srt.managers.detokenizer_manager import load_tokenizer
 from sglite.srt.managers.io_struct import PortArgs, SchedulerInitError, SchedulerReady, free_port
@@ -114,7 +115,7 @@ def spawn_scheduler_rank(
     ``start_context`` wraps ``proc.start()`` (the DP launcher pins the replica's visible devices there)."""
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=entry, args=(*args, writer), name=proc_name, daemon=True)
-    with start_context:
+    with start_context, scheduler_spawn_env():
         proc.start()
     writer.close()  # the child holds the only write end: EOF on the reader means it died
     processes.append((label, proc))
@@ -128,7 +129,8 @@ def spawn_detokenizer(ctx: Any, server_args: ServerArgs, port_args: PortArgs, pr
     detok = ctx.Process(
         target=run_detokenizer_process, args=(server_args, port_args), name="sglite-detokenizer", daemon=True
     )
-    detok.start()
+    with frontend_spawn_env():
+        detok.start()
     processes.append(("detokenizer", detok))
     return detok
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.configs.model_config import kv_heads_per_rank
 from sglite.srt.distributed.parallel_state import GroupCoordinator
+from sglite.srt.layers.cpu_gemm import linear
 from sglite.srt.layers.utils import bind_tp_group, check_full_shape, divide, new_weight_matrix, resolve_tp_group
 
 
@@ -31,6 +31,7 @@ def _init_weight_and_bias(
     """Give ``layer`` its weight (and bias, else a registered ``None``), each loaded by ``layer.weight_loader``."""
     layer.weight = _new_param(weight_shape, params_dtype)
     layer.weight.weight_loader = layer.weight_loader
+    layer.packed_weight = None  # set by cpu_gemm.pack_weights_for_cpu after loading
     if bias:
         layer.bias = _new_param((bias_rows,), params_dtype)
         layer.bias.weight_loader = layer.weight_loader
@@ -56,7 +57,7 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T + b."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -96,7 +97,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output columns (all of them with gather_output)."""
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.packed_weight)
         if self.gather_output and self.tp_size > 1:
             y = self.tp_group.all_gather(y, dim=-1)
         return y
@@ -220,11 +221,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Partial x W^T summed over ranks, plus the bias."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.packed_weight)
         if not self.input_is_parallel:
             n = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * n, n)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.packed_weight)
         if self.reduce_results:
             y = self.tp_group.all_reduce(y)
         if self.bias is not None:

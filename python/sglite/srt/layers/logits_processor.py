@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator
+from sglite.srt.layers.cpu_gemm import linear
 from sglite.srt.layers.dp_attention import run_over_all_groups
 from sglite.srt.layers.utils import resolve_tp_group
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead
@@ -90,7 +90,7 @@ class LogitsProcessor(nn.Module):
         """
 
         def project(rows: torch.Tensor) -> torch.Tensor:
-            logits = F.linear(rows.to(lm_head.weight.dtype), lm_head.weight, lm_head.bias)
+            logits = linear(rows.to(lm_head.weight.dtype), lm_head.weight, lm_head.bias, lm_head.packed_weight)
             if self.tp_group.world_size > 1:
                 logits = self.tp_group.all_gather(logits, dim=-1)
             return logits[..., : self.vocab_size]

@@ -82,6 +82,8 @@ class ParallelLMHead(VocabParallelEmbedding):
                 requires_grad=False,
             )
             self.weight.weight_loader = self.weight_loader
+        # cpu_gemm.pack_weights_for_cpu fills this after loading (never for a weight tied to the embedding).
+        self.packed_weight: Optional[torch.Tensor] = None
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype), requires_grad=False

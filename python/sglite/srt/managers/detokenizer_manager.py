@@ -220,9 +220,11 @@ def load_tokenizer(path: str) -> Any:
 
 def run_detokenizer_process(server_args: Any, port_args: PortArgs) -> None:
     """Process entry: load the tokenizer and serve forever; exits with the parent."""
+    from sglite.srt.managers.cpu_threads import limit_to_one_thread
     from sglite.srt.managers.subprocess_watchdog import watch_parent
 
     watch_parent()
+    limit_to_one_thread()
     logging.basicConfig(level=getattr(logging, str(server_args.log_level).upper(), logging.INFO))
     tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
     manager = DetokenizerManager(tokenizer, port_args)

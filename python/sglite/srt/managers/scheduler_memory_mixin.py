@@ -57,10 +57,14 @@ class SchedulerMemoryMixin:
         self.req_to_token_pool.free(row)
         req.reset_kv_state()
 
+    def _position_slots(self: "Scheduler", req: Req, start: int, end: int) -> torch.Tensor:
+        """The request's slots at positions [start, end) (a copy, empty when end <= start)."""
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, start:max(start, end)].to(torch.int64)
+
     def _free_positions(self: "Scheduler", req: Req, start: int, end: int) -> None:
         """Free the request's own slots at positions [start, end) (``start`` page-aligned or == prefix)."""
         if end > start:
-            self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].to(torch.int64))
+            self.allocator.free(self._position_slots(req, start, end))
 
     def _alloc_extend(self: "Scheduler", reqs: Sequence[Req], prefix: list[int], seq: list[int]) -> Optional[torch.Tensor]:
         """Slots for positions [prefix, seq) of each request, evicting from the prefix cache if short."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence
 
+import torch
+
 from sglite.srt.managers.io_struct import BatchTokenIDOut, finish_length, finish_stop
 from sglite.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglite.srt.mem_cache.paging import round_up_to_page
@@ -47,6 +49,7 @@ class SchedulerOutputProcessorMixin:
         reqs, t = batch.reqs, batch.extend_lens[0]
         if len(results) != len(reqs):
             raise RuntimeError(f"worker returned {len(results)} results for {len(reqs)} requests")
+        unkept: list[torch.Tensor] = []  # slots past what each request kept: freed with one call below
         for i, (req, tokens) in enumerate(zip(reqs, results)):
             if not 1 <= len(tokens) <= t:
                 raise RuntimeError(f"decode must return 1..{t} tokens per request, got {len(tokens)}")
@@ -58,15 +61,19 @@ class SchedulerOutputProcessorMixin:
                 req.spec_accepted_tokens += kept
                 step = self.worker.last_step
                 req.spec_verified_drafts += step.verified_drafts
-                req.spec_capped_ct += int(step.verified_drafts < self.worker.num_proposed_drafts)
+                # 0 verified: a draft-free step (--speculative-disable-by-batch-size), not a capped block.
+                req.spec_capped_ct += int(0 < step.verified_drafts < self.worker.num_proposed_drafts)
                 self.spec_verify_total += 1
                 self.spec_accepted_total += kept
             self._record_logprobs(req, batch, i, kept)
             req.kv_len = old_kv + kept
-            self._free_positions(req, round_up_to_page(req.kv_len, self.page_size), old_kv + t)
+            if t > 1:  # one decode slot per request is always kept
+                unkept.append(self._position_slots(req, round_up_to_page(req.kv_len, self.page_size), old_kv + t))
             if req.finished:
                 self.running.remove(req)
                 self._release(req)
+        if unkept:  # speculative steps: one free per step, not one per request (the allocator sorts once)
+            self.allocator.free(torch.cat(unkept))
 
     # ------------------------------------------------------------------ finish conditions
     def _append_tokens(self: "Scheduler", req: Req, tokens: Sequence[int]) -> int:

@@ -64,6 +64,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
     import zmq
 
     from sglite.srt.disaggregation.factory import create_disagg
+    from sglite.srt.managers.cpu_threads import apply_scheduler_threads
     from sglite.srt.managers.detokenizer_manager import load_tokenizer
     from sglite.srt.managers.io_struct import SchedulerInitError, SchedulerReady
     from sglite.srt.managers.subprocess_watchdog import watch_parent
@@ -74,6 +75,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
         format=f"[scheduler {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        if server_args.resolved_device() == "cpu":
+            apply_scheduler_threads(server_args.cpu_threads, rank, world_size)
         worker = create_model_worker(
             server_args,
             rank=rank,

@@ -15,6 +15,12 @@ scheduler allocated at positions ``[P, P+W)``:
 4. the features of the ``a + 1`` committed inputs ``[c, d1..d_a]`` overwrite the draft pool at
    ``S[:a+1]`` as context K/V. The scheduler keeps K/V length ``P + a + 1`` (fewer if a stop hits)
    and frees the rest of ``S``.
+
+With ``--speculative-disable-by-batch-size N`` a decode step of N or more requests skips the draft: the
+target decodes ``c`` alone in ``S[0]`` (capturing its features, which still become draft context K/V
+there, so drafting can resume at any later step with a complete context) and returns one token, as a
+step that accepted no draft would. A verify block costs about W target tokens of compute per request;
+once the batch is large enough that the target's forward is compute-bound, plain decoding is cheaper.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ def create_dflash_worker(
     return DFlashWorker(
         target, draft, random_seed=server_args.random_seed, prefill_only=server_args.disaggregation_mode == "prefill",
         ragged_verify_mode=server_args.ragged_verify_mode, cap_threshold=server_args.ragged_verify_cap_threshold,
+        disable_by_batch_size=server_args.speculative_disable_by_batch_size,
     )
 
 
@@ -102,8 +109,11 @@ class DFlashWorker(BaseModelWorker):
         prefill_only: bool = False,
         ragged_verify_mode: str = "static",
         cap_threshold: float = 0.5,
+        disable_by_batch_size: Optional[int] = None,
     ) -> None:
         self._init_from_target(target_runner)
+        # Decode steps of at least this many requests run the target alone (None: always draft).
+        self.disable_by_batch_size = disable_by_batch_size
         self.draft_runner = draft_runner
         self.target_model = target_runner.model
         self.draft_model = draft_runner.model
@@ -191,6 +201,8 @@ class DFlashWorker(BaseModelWorker):
         rows = batch.req_pool_indices
         anchors = list(batch.input_ids)
         slots = batch.out_cache_loc.to(self.device, torch.int64).reshape(bs, width)
+        if self.disable_by_batch_size is not None and bs >= self.disable_by_batch_size:
+            return self._decode_without_draft(batch, slots[:, 0])
 
         # 1. Draft block: [c, MASK x (B-1)] non-causal over context KV in the first B slots (temporary K/V).
         draft_items = [(r, p, [c] + [self.mask_token_id] * (block - 1)) for r, p, c in zip(rows, batch.prefix_lens, anchors)]
@@ -227,6 +239,20 @@ class DFlashWorker(BaseModelWorker):
         if batch.return_logprob:
             batch.next_token_logprobs = self._returned_token_logprobs(verify_out.next_token_logits, out, bs, w)
         return out
+
+    def _decode_without_draft(self, batch: ScheduleBatch, slots: torch.Tensor) -> list[list[int]]:
+        """Target-only decode of each newest token in its first block slot; its features become draft context K/V."""
+        items = [(r, p, [c]) for r, p, c in zip(batch.req_pool_indices, batch.prefix_lens, batch.input_ids)]
+        fb = self._forward_batch(ForwardMode.DECODE, items, self.target_runner, slots, capture=self.capture_layers)
+        self._draft_head_idle()  # DP attention: peers that draft this step exchange draft-head rows first
+        out = self.target_runner.forward(fb)
+        self._write_context(out, fb.positions, slots)
+        next_ids = self.target_runner.sample(out.next_token_logits, self._sampling_info(batch))
+        if batch.return_logprob:
+            batch.next_token_logprobs = [[float(x)] for x in token_logprobs(out.next_token_logits, next_ids).tolist()]
+        bs = batch.batch_size
+        self.last_step = DFlashStepStats(accept_lens=[0] * bs, draft_ids=[[] for _ in range(bs)], verified_drafts=0)
+        return [[int(t)] for t in next_ids.tolist()]
 
     def _cap_width(self, confidence_logits: torch.Tensor) -> int:
         """Drafts to verify under cap-accept: the longest prefix whose predicted survival stays >= the threshold.

@@ -28,7 +28,7 @@ from sglite.testing.tiny_dflash import (
 from sglite.testing.tiny_dflash import reference_block_generate as _reference_block_generate
 
 SUITE = "unit-cpu"
-EST_TIME = 105
+EST_TIME = 115
 
 BLOCK = 4
 
@@ -578,3 +578,57 @@ def test_spec_cap_length_in_meta_info_only_when_blocks_were_trimmed(trained, tmp
                 assert cap is None
             else:
                 assert cap is not None and 1 <= cap < worker.num_proposed_drafts
+
+
+def test_disable_by_batch_size_crosses_both_ways_and_stays_lossless(trained):
+    """Drafting stops while >= 3 requests decode and resumes after; the draft's context KV stays complete.
+
+    A long request drafts alone, three short ones join (plain target steps: one token each, no drafts),
+    they finish and A drafts again. Every output equals target-only greedy decoding, and from the step
+    A resumes drafting its per-step acceptance lengths equal the reference loop started fresh on A's
+    tokens before its anchor: proof that the plain steps wrote the draft context K/V the resumed draft reads.
+    """
+    target_dir, tr, target, draft = trained
+    prompt_a = tr.prompts[0]
+    others = random_prompts(3, seed=11, min_len=3, max_len=10)
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_disable_by_batch_size=3) as (sched, worker):
+        sched.add_request(TokenizedGenerateReqInput(rid="a", input_text=None, input_ids=list(prompt_a),
+                                                    sampling_params=greedy(40), stream=True))
+        ids: dict[str, list[int]] = {}
+        a_steps: list[tuple[int, bool, int]] = []  # (A's tokens before the step, drafted?, tokens returned)
+        for n in range(10000):
+            if n == 3:
+                for i, p in enumerate(others):
+                    sched.add_request(TokenizedGenerateReqInput(rid=f"o{i}", input_text=None, input_ids=list(p),
+                                                                sampling_params=greedy(6), stream=True))
+            if not sched.has_work():
+                break
+            before = len(ids.get("a", []))
+            worker.last_step = None
+            for msg in sched.step():
+                for j, rid in enumerate(msg.rids):
+                    ids.setdefault(rid, []).extend(msg.output_ids[j])
+            if worker.last_step is not None and len(ids.get("a", [])) > before:
+                drafted = any(len(d) > 0 for d in worker.last_step.draft_ids)
+                a_steps.append((before, drafted, len(ids["a"]) - before))
+    assert ids["a"] == target_greedy(target, prompt_a, 40)
+    for i, p in enumerate(others):
+        assert ids[f"o{i}"] == target_greedy(target, p, 6)
+    kinds = [d for _, d, _ in a_steps]
+    off = kinds.index(False)
+    back = off + kinds[off:].index(True)
+    assert any(kinds[:off]) and not any(kinds[off:back]) and all(kinds[back:]), kinds
+    assert all(n == 1 for _, d, n in a_steps if not d)
+    # The resumed step's anchor is A's newest token; the reference prefills up to it and emits it first.
+    start = a_steps[back][0] - 1
+    _, ref_lens = reference_block_generate(draft, target, list(prompt_a) + ids["a"][:start], 40 - start)
+    assert [n for _, _, n in a_steps[back:]] == ref_lens
+    assert max(ref_lens) > 1  # the resumed draft is accepted, not just lossless
+
+
+def test_disable_by_batch_size_needs_a_block_draft():
+    from sglite.srt.server_args import ServerArgsError
+
+    with pytest.raises(ServerArgsError, match="--speculative-disable-by-batch-size"):
+        ServerArgs(model_path="/some/target", speculative_disable_by_batch_size=4).validate()
+    ServerArgs(speculative_disable_by_batch_size=4).validate()  # the embedded default pair has a DFLASH draft

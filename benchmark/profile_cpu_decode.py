@@ -1,0 +1,161 @@
+"""CPU time per decode step (and a torch.profiler op table) through the ModelRunner, and the GEMM layouts.
+
+    python benchmark/profile_cpu_decode.py step --model-path DIR --batch-size 1 8 32 [--profile] [--no-pack]
+    python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024
+    python benchmark/profile_cpu_decode.py spec-disable --num-prompts 32 --output-len 48
+
+``step``: 32-token random prompts, one prefill, 12 decode steps; prints the median ``time.process_time``
+per step (steady on a shared box, unlike wall time). ``--no-pack`` skips cpu_gemm's packed copies (the
+before/after A/B). ``gemm``: the model's five weight shapes, one call each, best of 5 interleaved rounds:
+``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed
+(``mkldnn::_linear_pointwise``). ``spec-disable``: an in-process Scheduler on the embedded default pair,
+greedy, plain vs DFLASH with ``--speculative-disable-by-batch-size 1`` (never drafts) vs DFLASH, CPU
+seconds for the whole run, alternated twice, outputs compared. Run with OMP_NUM_THREADS=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # (in, out) of qkv, o, gate_up, down, LM head
+    "200m": [(1024, 1536), (1024, 1024), (1024, 5632), (2816, 1024), (1024, 32000)],
+    "smollm2": [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)],
+}
+
+
+def step(args: argparse.Namespace) -> None:
+    """Median CPU ms per decode step per batch size (optionally with the profiler's top ops)."""
+    import sglite.srt.model_executor.model_runner as mr
+    from sglite.bench_offline import random_prompt_ids
+    from sglite.srt.configs.model_config import ModelConfig
+    from sglite.srt.model_executor.forward_batch_info import ForwardMode
+    from sglite.srt.server_args import ServerArgs
+
+    if args.no_pack:
+        mr.pack_weights_for_cpu = lambda model: 0
+    sa = ServerArgs(model_path=args.model_path, device="cpu", dtype="float32").validate()
+    runner = mr.ModelRunner(sa)
+    vocab = ModelConfig.from_path(args.model_path).vocab_size
+    for bs in args.batch_size:
+        rows = runner.req_to_token_pool.alloc(bs)
+        prompts = random_prompt_ids(bs, 32, vocab, 0)
+        t0 = time.process_time()
+        out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)]))
+        prefill = time.process_time() - t0
+        nxt, seq, cpu = torch.argmax(out.next_token_logits, -1).tolist(), 32, []
+
+        def one() -> None:
+            nonlocal nxt, seq
+            b = runner.build_forward_batch(ForwardMode.DECODE, [(r, seq, [t]) for r, t in zip(rows, nxt)])
+            nxt = torch.argmax(runner.forward(b).next_token_logits, -1).tolist()
+            seq += 1
+
+        for _ in range(12):
+            t0 = time.process_time()
+            one()
+            cpu.append(time.process_time() - t0)
+        med = sorted(cpu)[len(cpu) // 2]
+        print(f"bs {bs}: prefill {prefill * 1e3:.1f} ms CPU, decode step {med * 1e3:.1f} ms CPU ({bs / med:.1f} tok/s)")
+        if args.profile:
+            with torch.profiler.profile() as prof:
+                for _ in range(3):
+                    one()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        runner.req_to_token_pool.free(rows)
+
+
+def gemm(args: argparse.Namespace) -> None:
+    """Sum over the model's weight shapes of one GEMM each, per layout, per row count."""
+    weights = {}
+    for k, n in SHAPES[args.shapes]:
+        w = torch.randn(n, k) * 0.02
+        weights[(k, n)] = dict(cm=w.t().contiguous().t(), mkl=torch.ops.mkl._mkl_reorder_linear_weight(w, 32),
+                               dnn=torch.ops.mkldnn._reorder_linear_weight(w, 32), ph=w)
+    for m in args.rows:
+        xs = {k: torch.randn(m, k) for k, _ in weights}
+        best = {"column-major": [], "mkl-packed": [], "onednn-packed": []}
+        for _ in range(5):
+            for meth in best:
+                t0 = time.process_time()
+                for (k, _), d in weights.items():
+                    if meth == "column-major":
+                        F.linear(xs[k], d["cm"])
+                    elif meth == "mkl-packed":
+                        torch.ops.mkl._mkl_linear(xs[k], d["mkl"], d["ph"], None, m)
+                    else:
+                        torch.ops.mkldnn._linear_pointwise(xs[k], d["dnn"], None, "none", [], "")
+                best[meth].append(time.process_time() - t0)
+        print(f"M {m:>5}: " + "  ".join(f"{meth} {min(v) * 1e3:.2f} ms" for meth, v in best.items()))
+
+
+def spec_disable(args: argparse.Namespace) -> None:
+    """CPU seconds of plain / DFLASH-with-drafting-disabled / DFLASH schedulers on the same greedy prompts."""
+    from sglite.bench_offline import random_prompt_ids
+    from sglite.srt.default_model import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR
+    from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
+    from sglite.srt.managers.scheduler import Scheduler
+    from sglite.srt.managers.tp_worker import TpModelWorker
+    from sglite.srt.runtime_context import ParallelState, scoped
+    from sglite.srt.server_args import ServerArgs
+    from sglite.srt.speculative.dflash_worker import create_dflash_worker
+    from sglite.testing.runner_generate import scheduler_greedy_generate
+
+    prompts = random_prompt_ids(args.num_prompts, 64, 4000, 0)
+
+    def run(kind: str) -> tuple[float, list]:
+        kw = dict(model_path=DEFAULT_MODEL_DIR, device="cpu", dtype="float32", max_running_requests=64)
+        if kind != "plain":
+            kw.update(speculative_algorithm="DFLASH", speculative_draft_model_path=DEFAULT_DRAFT_DIR)
+        if kind == "disabled":
+            kw["speculative_disable_by_batch_size"] = 1
+        sa = ServerArgs(**kw).validate()
+        with scoped(parallel=ParallelState(tp_size=1)):
+            try:
+                worker = TpModelWorker.create(sa) if kind == "plain" else create_dflash_worker(sa)
+                sched = Scheduler(sa, worker)
+                scheduler_greedy_generate(sched, prompts[:2], 4)  # warm-up
+                t0 = time.process_time()
+                out = scheduler_greedy_generate(sched, prompts, args.output_len)
+                return time.process_time() - t0, out
+            finally:
+                destroy_parallel_runtime()
+
+    kinds = ("plain", "disabled", "dflash")
+    secs: dict[str, list[float]] = {k: [] for k in kinds}
+    outs = {}
+    for _ in range(2):
+        for k in kinds:
+            t, outs[k] = run(k)
+            secs[k].append(t)
+    for k in kinds:
+        print(f"{k:>9}: {' '.join(f'{t:.2f}' for t in secs[k])} CPU s; same tokens as plain: {outs[k] == outs['plain']}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Parse the sub-command and run it."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("step")
+    s.add_argument("--model-path", required=True)
+    s.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
+    s.add_argument("--profile", action="store_true")
+    s.add_argument("--no-pack", action="store_true")
+    g = sub.add_parser("gemm")
+    g.add_argument("--shapes", choices=sorted(SHAPES), default="200m")
+    g.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256, 1024])
+    d = sub.add_parser("spec-disable")
+    d.add_argument("--num-prompts", type=int, default=32)
+    d.add_argument("--output-len", type=int, default=48)
+    args = p.parse_args(argv)
+    {"step": step, "gemm": gemm, "spec-disable": spec_disable}[args.cmd](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

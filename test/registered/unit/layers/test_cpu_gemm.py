@@ -1,0 +1,65 @@
+"""cpu_gemm: MKL-packed CPU weights give F.linear's products at every batch size, and only where packed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglite.srt.distributed.parallel_state import GroupCoordinator
+from sglite.srt.layers.cpu_gemm import PACKED_MAX_ROWS, linear, mkl_packing_available, pack_weights_for_cpu
+from sglite.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+SUITE = "unit-cpu"
+EST_TIME = 2
+
+pytestmark = pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL")
+
+
+def tp1() -> GroupCoordinator:
+    return GroupCoordinator([0], 0, "tp", device_group=None)
+
+
+def assert_same_dot_products(got, x, w, b=None):
+    """got == x @ w.T (+ b) up to summation order (Higham's bound, twice, for two orders)."""
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    terms = x.abs().double() @ w.abs().double().t() + (0 if b is None else b.abs().double())
+    bound = 2 * (x.shape[-1] + 1) * 2.0**-24 * terms
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+class Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = tp1()
+        self.qkv = ColumnParallelLinear(48, 80, bias=True, tp_group=g)
+        self.o = RowParallelLinear(80, 48, bias=False, tp_group=g)
+        self.rep = ReplicatedLinear(48, 24, bias=True)
+        self.embed = VocabParallelEmbedding(100, 48, tp_group=g)
+        self.head = ParallelLMHead(100, 48, tp_group=g)
+        self.plain = nn.Linear(48, 8)  # not opted in: stays as it is
+
+
+def test_packed_layers_match_f_linear_at_every_batch_size():
+    torch.manual_seed(0)
+    m = Holder()
+    for p in m.parameters():
+        p.data.copy_(torch.randn_like(p))
+    m.head.tie_to(m.embed)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    assert pack_weights_for_cpu(m) == 4  # qkv, o, rep, and the tied head gets its own copy
+    assert m.plain.__dict__.get("packed_weight") is None and m.embed.__dict__.get("packed_weight") is None
+    for k, v in m.state_dict().items():  # originals untouched: the embedding still reads the tied weight
+        assert torch.equal(v, before[k]), k
+    for rows in (1, 2, 7, 32, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 48)
+        assert_same_dot_products(m.qkv(x), x, m.qkv.weight, m.qkv.bias)
+        assert_same_dot_products(m.rep(x), x, m.rep.weight, m.rep.bias)
+        assert_same_dot_products(linear(x, m.head.weight, None, m.head.packed_weight), x, m.embed.weight)
+        h = torch.randn(2, rows, 80)  # 3-D input: rows are counted over the leading dims
+        assert_same_dot_products(m.o(h), h, m.o.weight)
+
+
+def test_only_fp32_cpu_weights_are_packed():
+    m = ReplicatedLinear(16, 16, bias=False, params_dtype=torch.bfloat16)
+    assert pack_weights_for_cpu(m) == 0 and m.packed_weight is None
