@@ -10,6 +10,9 @@ from typing import Any, Optional, Union
 TOP_K_ALL = 1 << 30
 # Stop strings are matched on every new token of the request; more than this is abuse, not a use.
 MAX_STOP_STRINGS = 64
+# Temperatures below this sample greedily (SGLang's _SAMPLING_EPS in sampling/sampling_params.py; vLLM
+# uses 1e-5): logits / 1e-39 overflow fp32 to inf and the softmax becomes NaN.
+SAMPLING_EPS = 1e-6
 
 
 class SamplingParamsError(ValueError):
@@ -80,8 +83,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Temperature 0 (or top_k 1) selects the argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperature below SAMPLING_EPS (or top_k 1) selects the argmax."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def normalized_top_k(self) -> int:
         """top_k with -1 mapped to 'all tokens'."""

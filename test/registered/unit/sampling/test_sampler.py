@@ -151,3 +151,46 @@ def test_greedy_ties_pick_the_first_index_like_argmax():
     logits = torch.randint(0, 3, (64, 40), generator=gen).float()  # many tied maxima per row
     info = SamplingBatchInfo.from_sampling_params([SamplingParams(temperature=0.0)] * 64, 40)
     assert torch.equal(Sampler()(logits, info), torch.argmax(logits, dim=-1))
+
+
+EXTREME_TEMPERATURES = (0.0, 1e-39, 1e-7, 9.99e-7, 1e-6, 1e-3, 1.0, 100.0, 1e30, 3e38)
+
+
+def test_temperature_below_sampling_eps_is_greedy():
+    """SGLang's _SAMPLING_EPS (1e-6): temperature 1e-39 once overflowed logits / t to inf, then NaN."""
+    from sglite.srt.sampling.sampling_params import SAMPLING_EPS
+
+    assert SAMPLING_EPS == 1e-6
+    for t in (1e-39, 1e-7, 9.99e-7):
+        assert SamplingParams(temperature=t).is_greedy
+    assert not SamplingParams(temperature=1e-6).is_greedy
+
+
+def test_every_accepted_parameter_gives_finite_probabilities_and_valid_tokens():
+    """Any temperature / top_p / top_k / min_p in the accepted range: no NaN or inf reaches a draw."""
+    from sglite.srt.speculative.dflash_utils import sampling_verify, verify_probs
+
+    vocab = 64
+    gen = torch.Generator().manual_seed(0)
+    # Large-magnitude logits with ties: the worst case for logits / t and for top-p/min-p cut-offs.
+    logits = torch.cat([torch.randn(3, vocab, generator=gen) * 1e4, torch.zeros(1, vocab), torch.full((1, vocab), -3e4)])
+    logits[0, :4] = logits[0].max()
+    rows = logits.shape[0]
+    params = [
+        SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m).verify(vocab)
+        for t in EXTREME_TEMPERATURES
+        for p in (1e-9, 0.5, 1.0)
+        for k in (-1, 1, 2)
+        for m in (0.0, 0.5, 1.0)
+    ]
+    sampler = Sampler(seed=0)
+    for sp in params:
+        info = SamplingBatchInfo.from_sampling_params([sp] * rows, vocab)
+        ids = sampler(logits.clone(), info)
+        assert ids.shape == (rows,) and bool(((ids >= 0) & (ids < vocab)).all()), sp
+        probs = verify_probs(logits.clone(), info, sampler)
+        assert bool(torch.isfinite(probs).all()), sp
+        assert torch.allclose(probs.sum(-1), torch.ones(rows)), sp
+        block = torch.zeros(1, rows, dtype=torch.int64)
+        r = sampling_verify(block, probs[None], generator=torch.Generator().manual_seed(1))
+        assert 0 <= int(r.bonus_ids[0]) < vocab
