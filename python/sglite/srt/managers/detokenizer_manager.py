@@ -14,7 +14,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from sglite.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason, PortArgs, finish_stop
+from sglite.srt.managers.io_struct import (
+    BatchStrOut,
+    BatchTokenIDOut,
+    FinishReason,
+    PortArgs,
+    finish_abort,
+    finish_stop,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +171,12 @@ class DetokenizerManager:
                 if sched_reason is not None:
                     self.ended_here.discard(rid)
                 continue
-            delta = self.detok.feed(
-                rid, out.output_ids[i], sched_reason is not None, out.skip_special_tokens[i], out.stop_strs[i]
-            )
+            try:
+                delta = self.detok.feed(
+                    rid, out.output_ids[i], sched_reason is not None, out.skip_special_tokens[i], out.stop_strs[i]
+                )
+            except Exception as e:  # one request's decode fault ends that request, not this process
+                delta, sched_reason = self._fail(rid, sched_reason, e)
             reason: Optional[FinishReason] = sched_reason
             completion_tokens = out.completion_tokens[i]
             if delta.stop_matched is not None:
@@ -197,6 +207,16 @@ class DetokenizerManager:
             completion_tokens=completion, cached_tokens=cached, spec_verify_ct=verify, spec_cap_length=cap,
             output_token_logprobs=logprobs if out.output_token_logprobs is not None else None,
         )
+
+    def _fail(self, rid: str, sched_reason: Optional[FinishReason], error: Exception) -> tuple[DecodeDelta, FinishReason]:
+        """End rid with an internal-error abort (HTTP 500 for it); the TokenizerManager aborts it in the scheduler."""
+        logger.error("request %s: detokenization failed: %s: %s", rid, type(error).__name__, error,
+                     exc_info=logger.isEnabledFor(logging.DEBUG))
+        self.detok.drop(rid)
+        if sched_reason is None:  # the scheduler still runs it: drop its later outputs
+            self.ended_here.add(rid)
+        reason = finish_abort(f"internal error while detokenizing: {type(error).__name__}: {error}", status_code=500)
+        return DecodeDelta(text="", ids=[], stop_matched=None, num_ids_total=0), reason
 
     def event_loop(self) -> None:
         """Forever: receive, detokenize or forward, send."""

@@ -43,6 +43,7 @@ from sglite.srt.managers.schedule_policy import (
     prefix_key,
 )
 from sglite.srt.managers.scheduler_dp_attn_mixin import SchedulerDPAttentionMixin
+from sglite.srt.managers.scheduler_fault_isolation_mixin import SchedulerFaultIsolationMixin
 from sglite.srt.managers.scheduler_memory_mixin import SchedulerMemoryMixin
 from sglite.srt.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from sglite.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
@@ -70,7 +71,13 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.001
 
 
-class Scheduler(SchedulerOutputProcessorMixin, SchedulerMemoryMixin, SchedulerMetricsMixin, SchedulerDPAttentionMixin):
+class Scheduler(
+    SchedulerOutputProcessorMixin,
+    SchedulerMemoryMixin,
+    SchedulerMetricsMixin,
+    SchedulerDPAttentionMixin,
+    SchedulerFaultIsolationMixin,
+):
     """Continuous-batching scheduler of one rank; in-process API: add_request / abort / step."""
 
     def __init__(
@@ -192,6 +199,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMemoryMixin, SchedulerMe
         if self.disagg.abort(req, reason):  # PD: it frees the slots it holds
             return
         req.finished_reason = reason
+        if reason.get("type") == "abort":
+            logger.info("Abort request %s: %s", req.rid, reason.get("message"))
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
         if req is self.chunked_req:
@@ -355,9 +364,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMemoryMixin, SchedulerMe
         )
 
     def _run_prefill(self, batch: ScheduleBatch) -> None:
-        results = self.worker.forward_prefill(batch)
-        self.num_prefill_forwards += 1
-        self.process_batch_result_prefill(batch, results)
+        self._forward_isolated(batch, self.process_batch_result_prefill)
 
     # ================================================================== decode
     def _run_decode(self) -> bool:
@@ -383,9 +390,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMemoryMixin, SchedulerMe
                 self._retract(victim)
         if not self.running or loc is None:
             return False
-        reqs = list(self.running)
+        self._forward_isolated(self._build_decode_batch(list(self.running), loc, t), self.process_batch_result_decode)
+        self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay)
+        return True
+
+    def _build_decode_batch(self, reqs: list[Req], loc: Any, t: int) -> ScheduleBatch:
+        """A decode batch over ``reqs``, their ``t`` slots each (``loc``) written into req_to_token first."""
         self._write_decode_slots(reqs, loc, t)
-        batch = ScheduleBatch(
+        return ScheduleBatch(
             reqs=reqs,
             is_prefill=False,
             input_ids=[r.last_token_id for r in reqs],
@@ -395,11 +407,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMemoryMixin, SchedulerMe
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.allocator,
         )
-        results = self.worker.forward_decode(batch)
-        self.num_decode_forwards += 1
-        self.process_batch_result_decode(batch, results)
-        self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay)
-        return True
 
     def handle(self, msg: Any) -> Optional[Any]:
         """Dispatch one incoming message; return a control reply to send back, if any."""

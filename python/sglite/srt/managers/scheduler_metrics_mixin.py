@@ -18,6 +18,7 @@ class SchedulerMetricsMixin:
         self.num_prefill_forwards = 0
         self.num_decode_forwards = 0
         self.num_idle_forwards = 0
+        self.num_failed_requests = 0  # requests ended by an internal fault (failure isolation)
         self.spec_verify_total = 0
         self.spec_accepted_total = 0
         self._gen_tokens_window = 0

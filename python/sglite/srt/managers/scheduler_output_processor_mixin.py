@@ -35,8 +35,14 @@ class SchedulerOutputProcessorMixin:
             lp = batch.next_token_logprobs[i][0] if req.return_logprob and batch.next_token_logprobs else None
             if self.disagg.hand_off(req, tokens[0], lp):  # PD prefill node: the decode node continues from here
                 continue
-            kept = self._append_tokens(req, tokens)
-            self._record_logprobs(req, batch, i, kept)
+            try:
+                kept = self._append_tokens(req, tokens)
+                self._record_logprobs(req, batch, i, kept)
+            except Exception as e:  # one request's finish checks (e.g. its stop strings) fail it alone
+                if id(req) in decoding:
+                    self.running.remove(req)
+                self._fail_request(req, e)
+                continue
             if req.finished:
                 if id(req) in decoding:
                     self.running.remove(req)
@@ -54,7 +60,13 @@ class SchedulerOutputProcessorMixin:
             if not 1 <= len(tokens) <= t:
                 raise RuntimeError(f"decode must return 1..{t} tokens per request, got {len(tokens)}")
             old_kv = req.kv_len
-            kept = self._append_tokens(req, tokens)
+            try:
+                kept = self._append_tokens(req, tokens)
+                self._record_logprobs(req, batch, i, kept)
+            except Exception as e:  # one request's finish checks (e.g. its stop strings) fail it alone
+                self._free_positions(req, self._round_up(old_kv), old_kv + t)
+                self._fail_request(req, e)
+                continue
             if self.worker.is_speculative:
                 # Count what the request keeps: a stop inside the accepted run discards the rest.
                 req.spec_verify_ct += 1
@@ -65,7 +77,6 @@ class SchedulerOutputProcessorMixin:
                 req.spec_capped_ct += int(0 < step.verified_drafts < self.worker.num_proposed_drafts)
                 self.spec_verify_total += 1
                 self.spec_accepted_total += kept
-            self._record_logprobs(req, batch, i, kept)
             req.kv_len = old_kv + kept
             if t > 1:  # one decode slot per request is always kept
                 unkept.append(self._position_slots(req, round_up_to_page(req.kv_len, self.page_size), old_kv + t))

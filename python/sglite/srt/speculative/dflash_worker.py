@@ -105,7 +105,6 @@ class DFlashWorker(BaseModelWorker):
         draft_runner: Any,
         *,
         random_seed: int = 0,
-        context_len: Optional[int] = None,
         prefill_only: bool = False,
         ragged_verify_mode: str = "static",
         cap_threshold: float = 0.5,
@@ -154,19 +153,17 @@ class DFlashWorker(BaseModelWorker):
         if draft_runner.req_to_token_pool is not self.req_to_token_pool:
             raise ValueError("the draft runner must share the target's req_to_token pool (one slot row per request)")
         plan = target_runner.memory_pool_config
-        # A decode step writes the verify width W past the K/V length, so rows need W - 1 columns beyond the context.
-        row_cols = int(self.req_to_token_pool.req_to_token.shape[1])
-        # PD prefill node: no verify block ever runs, so its plan has no verify columns (and no verify scratch).
-        self.prefill_only = bool(prefill_only)
-        if self.prefill_only and context_len is None:
-            context_len = int(plan.context_len)
+        # context_len is the plan's (_init_from_target). A decode step writes the verify width W past the K/V
+        # length, inside the W - 1 extra req_to_token columns the plan reserved; block rows past the limit
+        # are scratch (never committed), so the limit is not widened by W.
+        self.prefill_only = bool(prefill_only)  # PD prefill node: no verify block, no verify columns
         self.num_decode_tokens_per_req = int(aux.num_verify_tokens)
         width = self.num_decode_tokens_per_req
-        self.context_len = int(context_len) if context_len is not None else row_cols - width + 1
+        row_cols = int(self.req_to_token_pool.req_to_token.shape[1])
         if not self.prefill_only and self.context_len + width - 1 > row_cols:
             raise ValueError(
                 f"context length {self.context_len} + verify width {width} - 1 exceeds the req_to_token "
-                f"rows ({row_cols} columns); lower --context-length"
+                f"rows ({row_cols} columns); the memory plan must reserve the verify block"
             )
         self.sampler = Sampler(seed=random_seed)
         self._verify_generator = torch.Generator(device=self.device).manual_seed(random_seed)
@@ -209,6 +206,7 @@ class DFlashWorker(BaseModelWorker):
         draft_fb = self._forward_batch(
             ForwardMode.DRAFT_BLOCK, draft_items, self.draft_runner, slots[:, :block].reshape(-1)
         )
+        self._clamp_block_positions(draft_fb)
         proposal = self.draft_model.propose_drafts(self.draft_runner.forward(draft_fb), draft_fb, block)
         draft_ids = proposal.ids  # [bs, n]
 
@@ -223,6 +221,7 @@ class DFlashWorker(BaseModelWorker):
         verify_fb = self._forward_batch(
             ForwardMode.TARGET_VERIFY, verify_items, self.target_runner, verify_slots, capture=self.capture_layers
         )
+        self._clamp_block_positions(verify_fb)
         verify_out = self.target_runner.forward(verify_fb)
 
         # 3. Accept.
@@ -290,6 +289,15 @@ class DFlashWorker(BaseModelWorker):
     ) -> ForwardBatch:
         # Both runners hold the shared req_to_token pool, so the runner's own batch builder fits either.
         return runner.build_forward_batch(mode, items, out_cache_loc=slots, capture_aux_hidden_layers=capture)
+
+    def _clamp_block_positions(self, fb: ForwardBatch) -> None:
+        """Keep block rows inside the context: rope has no angles past it (an index error, or a device assert).
+
+        A request's committed tokens all sit below ``context_len``; a block row at or past it can only
+        predict a token beyond the limit, which the scheduler drops. Causal verify rows below the limit
+        never see those rows; the non-causal draft may, which changes drafts only, never what is accepted.
+        """
+        fb.positions.clamp_(max=self.context_len - 1)
 
     def _write_context(
         self,

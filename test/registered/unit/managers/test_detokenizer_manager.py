@@ -139,3 +139,33 @@ def test_manager_trims_counts_and_drops_late_outputs(tiny_tokenizer):
     assert mgr.handle(out([7], len(ids) + 1)) is None
     assert mgr.handle(out([], len(ids) + 1, finish_length(len(ids) + 1))) is None
     assert mgr.ended_here == set() and mgr.detok.states == {}
+
+
+def test_a_decode_fault_fails_that_request_only(tiny_tokenizer):
+    """Regression: skip_special_tokens "no" (a TypeError in the tokenizer's decode) killed the detokenizer.
+
+    The HTTP layer now refuses that type; the fault is injected below it. The faulty request ends with
+    an internal-error abort (status 500); the other request of the same batch is decoded as before.
+    """
+    mgr = DetokenizerManager.__new__(DetokenizerManager)  # no sockets needed for handle()
+    mgr.detok = IncrementalDetokenizer(tiny_tokenizer)
+    mgr.ended_here = set()
+    ids = tiny_tokenizer.encode("one two")
+
+    def out(new_ids, reason=None):
+        return BatchTokenIDOut(
+            rids=["bad", "good"], output_ids=[new_ids, new_ids], finished_reasons=[reason, reason], prompt_tokens=[3, 3],
+            completion_tokens=[len(ids)] * 2, cached_tokens=[0, 0], spec_verify_ct=[0, 0],
+            skip_special_tokens=["no", True], stop_strs=[[], []],
+        )
+
+    res = mgr.handle(out(ids))
+    assert res.rids == ["bad", "good"] and res.output_strs[0] == ""
+    bad = res.finished_reasons[0]
+    assert bad["type"] == "abort" and bad["status_code"] == 500 and "TypeError" in bad["message"]
+    assert res.finished_reasons[1] is None and mgr.ended_here == {"bad"}
+    good_text = res.output_strs[1]
+    # The scheduler's later outputs for the failed rid are dropped; the other request finishes normally.
+    res = mgr.handle(out([], finish_length(len(ids))))
+    assert res.rids == ["good"] and good_text + res.output_strs[0] == "one two"
+    assert mgr.ended_here == set() and mgr.detok.states == {}

@@ -177,3 +177,46 @@ def test_context_len_is_the_models_not_the_request_table_width(tiny, rank0):
     out = _collect(s.run_until_idle())["too-long"]
     assert out["reason"]["type"] == "abort" and "context length 512" in out["reason"]["message"]
     _assert_clean(s)
+
+
+POISON_SEED = 666
+
+
+class _PoisonedSampler(torch.nn.Module):
+    """The runner's sampler, raising for any batch that holds the poisoned request at ``from_step`` or later."""
+
+    def __init__(self, inner, from_step: int):
+        super().__init__()
+        self.inner, self.from_step = inner, from_step
+
+    def forward(self, logits, info):
+        for seed, offset in zip(info.seeds, info.seed_offsets):
+            if seed == POISON_SEED and offset >= self.from_step:
+                raise ValueError("injected sampling fault")
+        return self.inner(logits, info)
+
+
+@pytest.mark.parametrize("page_size,fault_step", [(1, 0), (4, 0), (1, 3), (4, 3)])
+def test_a_fault_in_one_requests_sampling_fails_that_request_only(tiny, rank0, page_size, fault_step):
+    """Failure isolation: the batch is retried request by request; only the faulty one ends (status 500)."""
+    d, expected = tiny
+    s = _scheduler(d, page_size=page_size)
+    runner = s.worker.model_runner
+    runner.sampler = _PoisonedSampler(runner.sampler, from_step=fault_step)
+    poisoned = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, seed=POISON_SEED)
+    for i, p in enumerate(PROMPTS):
+        s.add_request(_req(f"r{i}", p, stream=i % 2 == 1))
+        if i == 2:  # in the middle of the batch
+            s.add_request(TokenizedGenerateReqInput(rid="bad", input_text=None, input_ids=PROMPTS[1], sampling_params=poisoned))
+    res = _collect(s.run_until_idle())
+    bad = res["bad"]["reason"]
+    assert bad["type"] == "abort" and bad["status_code"] == 500 and "injected sampling fault" in bad["message"]
+    assert len(res["bad"]["ids"]) == fault_step
+    for i in range(len(PROMPTS)):
+        assert res[f"r{i}"]["ids"] == expected[i], f"prompt {i}"
+    assert s.num_failed_requests == 1
+    _assert_clean(s)
+    # The scheduler keeps serving: the same prompt without the poison is served in full.
+    s.add_request(_req("after", PROMPTS[1]))
+    assert _collect(s.run_until_idle())["after"]["ids"] == expected[1]
+    _assert_clean(s)

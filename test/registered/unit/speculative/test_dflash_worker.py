@@ -632,3 +632,44 @@ def test_disable_by_batch_size_needs_a_block_draft():
     with pytest.raises(ServerArgsError, match="--speculative-disable-by-batch-size"):
         ServerArgs(model_path="/some/target", speculative_disable_by_batch_size=4).validate()
     ServerArgs(speculative_disable_by_batch_size=4).validate()  # the embedded default pair has a DFLASH draft
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    """A tiny target whose rope covers only 64 positions, and a random (untrained) draft."""
+    from sglite.testing.tiny_dflash import TINY_VOCAB, build_tiny_dflash_draft
+    from sglite.testing.tiny_models import build_tiny_model
+
+    d = tmp_path_factory.mktemp("dflash_short")
+    target_dir = build_tiny_model(
+        str(d / "target"), "qwen3", seed=0, with_tokenizer=False, num_hidden_layers=4, vocab_size=TINY_VOCAB,
+        eos_token_id=None, max_position_embeddings=64,
+    )
+    return target_dir, build_tiny_dflash_draft(str(d / "draft"), target_dir)
+
+
+def test_context_len_is_the_plans_and_a_request_may_fill_it(short_context):
+    """The block is reserved inside the model's limit: 64 is served as 64 (not 64 + B + 1), filled exactly.
+
+    The last steps' block rows run past position 63, where rope has no angle; the worker keeps them
+    inside, and the output is still the target's own greedy continuation.
+    """
+    from transformers import AutoModelForCausalLM
+
+    target_dir, draft_dir = short_context
+    prompt = random_prompts(1, seed=3, min_len=8, max_len=8)[0]
+    with spec_scheduler(target_dir, draft_dir, context_length=None) as (sched, worker):
+        assert worker.context_len == worker.target_runner.memory_pool_config.context_len == sched.context_len == 64
+        run = generate(sched, [prompt, prompt], [greedy(64 - len(prompt)), greedy(64 - len(prompt) + 1)])
+        assert sched.allocator.available_size() + sched.tree_cache.total_size() == sched.initial_free_slots
+    assert run.finish["r1"]["type"] == "abort" and "context length 64" in run.finish["r1"]["message"]
+    assert run.finish["r0"]["type"] == "length" and len(run.ids["r0"]) == 64 - len(prompt)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    assert run.ids["r0"] == target_greedy(target, prompt, 64 - len(prompt))
+
+
+def test_temperature_1e_39_with_dflash_is_greedy(short_context):
+    """Regression: temperature 1e-39 made the verify probabilities NaN and killed the scheduler."""
+    target_dir, draft_dir = short_context
+    prompt = random_prompts(1, seed=4)[0]
+    with spec_scheduler(target_dir, draft_dir) as (sched, _):
+        run = generate(sched, [prompt, prompt], [SamplingParams(max_new_tokens=12, temperature=1e-39), greedy(12)])
+    assert run.ids["r0"] == run.ids["r1"] and len(run.ids["r0"]) == 12
