@@ -73,6 +73,7 @@ class ServerArgs:
         "Render chat templates sent in requests (`chat_template`), each in a worker killed after 5 s; "
         "without this flag they are refused with 400", False,
     )
+    decode_log_interval: int = _opt("Log a 'Decode batch.' stats line every this many decode steps (SGLang's)", 40)
 
     # Parallelism.
     tp_size: int = _opt("Tensor-parallel size", 1)
@@ -162,6 +163,7 @@ class ServerArgs:
         )
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "--cpu-threads must be >= 1")
         _require(self.page_size >= 1, "--page-size must be >= 1")
+        _require(self.decode_log_interval >= 1, "--decode-log-interval must be >= 1")
         _require(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs must be >= 1 (use --disable-cuda-graph to turn graphs off)")
         _require(self.cpu_kv_cache_budget_mb > 0, "--cpu-kv-cache-budget-mb must be > 0")
         _require(self.max_total_tokens is None or self.max_total_tokens > 0, "--max-total-tokens must be > 0")

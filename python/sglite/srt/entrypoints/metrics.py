@@ -33,6 +33,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("sglite:generation_tokens", "Output tokens generated", labels, registry=self.registry)
         self.cached_tokens = Counter("sglite:cached_tokens", "Prompt tokens served from the prefix cache", labels, registry=self.registry)
         self.num_requests = Counter("sglite:num_requests", "Finished requests by finish reason", labels + ["finish_reason"], registry=self.registry)
+        # SGLang's sglang:num_aborted_requests_total: client aborts, refused and failed requests.
+        self.num_aborted_requests = Counter("sglite:num_aborted_requests", "Requests that ended with an abort", labels, registry=self.registry)
         self.ttft = Histogram("sglite:time_to_first_token_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("sglite:e2e_request_latency_seconds", "End-to-end request latency", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         # Speculative decoding (SGLang's accept length = spec_generation_tokens / spec_verify_steps).
@@ -64,7 +66,10 @@ class ServerMetrics:
         self.prompt_tokens.labels(m).inc(state.prompt_tokens)
         self.generation_tokens.labels(m).inc(state.completion_tokens)
         self.cached_tokens.labels(m).inc(state.cached_tokens)
-        self.num_requests.labels(m, str((state.finished_reason or {}).get("type"))).inc()
+        reason_type = str((state.finished_reason or {}).get("type"))
+        self.num_requests.labels(m, reason_type).inc()
+        if reason_type == "abort":
+            self.num_aborted_requests.labels(m).inc()
         if state.spec_verify_ct > 0:
             self.spec_verify_steps.labels(m).inc(state.spec_verify_ct)
             self.spec_generation_tokens.labels(m).inc(state.completion_tokens)

@@ -364,6 +364,7 @@ class Scheduler(
         )
 
     def _run_prefill(self, batch: ScheduleBatch) -> None:
+        self.log_prefill_stats(batch)
         self._forward_isolated(batch, self.process_batch_result_prefill)
 
     # ================================================================== decode
@@ -392,6 +393,7 @@ class Scheduler(
             return False
         self._forward_isolated(self._build_decode_batch(list(self.running), loc, t), self.process_batch_result_decode)
         self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay)
+        self.maybe_log_decode_stats()
         return True
 
     def _build_decode_batch(self, reqs: list[Req], loc: Any, t: int) -> ScheduleBatch:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from sglite.srt.managers.schedule_batch import ScheduleBatch
     from sglite.srt.managers.scheduler import Scheduler
+
+# The scheduler's logger: its stats lines read as the scheduler's, as in SGLang.
+logger = logging.getLogger("sglite.srt.managers.scheduler")
 
 
 class SchedulerMetricsMixin:
@@ -24,6 +29,43 @@ class SchedulerMetricsMixin:
         self._gen_tokens_window = 0
         self._gen_window_start = time.monotonic()
         self.last_gen_throughput = 0.0
+        # Where the last "Decode batch." line left off (decode steps, spec verifies, accepted tokens).
+        self._decode_log_forwards = self._decode_log_verify = self._decode_log_accepted = 0
+
+    # ------------------------------------------------------------------ stats log lines (SGLang's format)
+    def _kv_tokens_used(self: "Scheduler") -> int:
+        """Slots held by requests (radix-cached, evictable slots count as free, as in SGLang's token usage)."""
+        return self.initial_free_slots - self.allocator.available_size() - self.tree_cache.evictable_size()
+
+    def log_prefill_stats(self: "Scheduler", batch: "ScheduleBatch") -> None:
+        """SGLang's "Prefill batch." line, once per prefill forward."""
+        running = {id(r) for r in self.running}
+        new = [(r, n) for r, n in zip(batch.reqs, batch.extend_lens) if id(r) not in running]
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            len(new), sum(n for _, n in new), sum(r.prefix_len for r, _ in new if r.kv_len == r.prefix_len),
+            self._kv_tokens_used() / self.initial_free_slots, len(self.running), len(self.waiting_queue),
+        )
+
+    def maybe_log_decode_stats(self: "Scheduler") -> None:
+        """SGLang's "Decode batch." line every --decode-log-interval decode steps (accept len over those steps)."""
+        if self.num_decode_forwards - self._decode_log_forwards < self.server_args.decode_log_interval:
+            return
+        used = self._kv_tokens_used()
+        spec = ""
+        if self.worker.is_speculative:
+            steps = self.spec_verify_total - self._decode_log_verify
+            accepted = self.spec_accepted_total - self._decode_log_accepted
+            spec = f"accept len: {accepted / steps if steps else 0.0:.2f}, "
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %sgen throughput (token/s): %.2f, "
+            "#queue-req: %d",
+            len(self.running), used, used / self.initial_free_slots, spec, self.last_gen_throughput,
+            len(self.waiting_queue),
+        )
+        self._decode_log_forwards = self.num_decode_forwards
+        self._decode_log_verify, self._decode_log_accepted = self.spec_verify_total, self.spec_accepted_total
 
     def _update_throughput(self: "Scheduler") -> None:
         elapsed = time.monotonic() - self._gen_window_start

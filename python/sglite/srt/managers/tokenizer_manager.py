@@ -32,6 +32,7 @@ from sglite.srt.managers.io_struct import (
     PortArgs,
     SchedulerReady,
     TokenizedGenerateReqInput,
+    finish_abort,
 )
 from sglite.srt.mem_cache.paging import request_kv_slots
 from sglite.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
@@ -342,6 +343,10 @@ class TokenizerManager:
         self.send_to_scheduler.send_pyobj(AbortReq(rid=rid))
         if state is not None and not state.finished:
             self.num_aborted += 1
+            state.finished_reason = finish_abort(AbortReq.message)
+            if self.on_request_finished is not None:  # metrics count it as an aborted request
+                self.on_request_finished(state)
+            state.event.set()  # a caller still waiting (/abort_request from elsewhere) gets the abort
             return True
         return False
 

@@ -47,3 +47,22 @@ def test_spec_counters_give_the_accept_length():
     assert counter("spec_verify_steps") == 7
     assert counter("spec_generation_tokens") == 21  # speculative requests only
     assert counter("spec_generation_tokens") / counter("spec_verify_steps") == pytest.approx(3.0)
+
+
+def test_aborted_requests_are_counted():
+    """SGLang's num_aborted_requests: every request that ends with an abort (client, refusal, fault)."""
+    from types import SimpleNamespace
+
+    from sglite.srt.entrypoints.metrics import ServerMetrics
+    from sglite.srt.managers.io_struct import finish_abort, finish_length
+
+    m = ServerMetrics("tiny")
+    for reason in (finish_abort("aborted by the client"), finish_abort("internal error", status_code=500), finish_length(3)):
+        m.observe_finished(SimpleNamespace(
+            prompt_tokens=2, completion_tokens=1, cached_tokens=0, finished_reason=reason, spec_verify_ct=0,
+            created_time=0.0, first_token_time=None,
+        ))
+    body, _ = m.render({}, num_waiting_front_end=0)
+    text = body.decode()
+    assert 'sglite:num_aborted_requests_total{model_name="tiny"} 2.0' in text
+    assert 'sglite:num_requests_total{finish_reason="abort",model_name="tiny"} 2.0' in text

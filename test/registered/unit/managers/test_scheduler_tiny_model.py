@@ -220,3 +220,28 @@ def test_a_fault_in_one_requests_sampling_fails_that_request_only(tiny, rank0, p
     s.add_request(_req("after", PROMPTS[1]))
     assert _collect(s.run_until_idle())["after"]["ids"] == expected[1]
     _assert_clean(s)
+
+
+def test_stats_lines_in_sglangs_format(tiny, rank0, caplog):
+    """Operability: a "Prefill batch." line per prefill and a "Decode batch." line every --decode-log-interval steps."""
+    import logging
+    import re
+
+    d, _ = tiny
+    s = _scheduler(d, decode_log_interval=4)
+    for i, p in enumerate(PROMPTS[:3]):
+        s.add_request(_req(f"r{i}", p))
+    with caplog.at_level(logging.INFO, logger="sglite.srt.managers.scheduler"):
+        s.run_until_idle()
+    lines = [r.getMessage() for r in caplog.records]
+    prefill = [m for m in lines if m.startswith("Prefill batch.")]
+    decode = [m for m in lines if m.startswith("Decode batch.")]
+    assert prefill and re.fullmatch(
+        r"Prefill batch\. #new-seq: 3, #new-token: \d+, #cached-token: 0, token usage: \d\.\d\d, #running-req: 0, #queue-req: 0",
+        prefill[0],
+    ), prefill
+    assert len(decode) == s.num_decode_forwards // 4, decode
+    assert re.fullmatch(
+        r"Decode batch\. #running-req: 3, #token: \d+, token usage: 0\.\d\d, gen throughput \(token/s\): \d+\.\d\d, #queue-req: 0",
+        decode[0],
+    ), decode

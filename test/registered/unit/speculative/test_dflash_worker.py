@@ -666,10 +666,19 @@ def test_context_len_is_the_plans_and_a_request_may_fill_it(short_context):
     assert run.ids["r0"] == target_greedy(target, prompt, 64 - len(prompt))
 
 
-def test_temperature_1e_39_with_dflash_is_greedy(short_context):
-    """Regression: temperature 1e-39 made the verify probabilities NaN and killed the scheduler."""
+def test_temperature_1e_39_with_dflash_is_greedy(short_context, caplog):
+    """Regression: temperature 1e-39 made the verify probabilities NaN and killed the scheduler.
+
+    Also: the "Decode batch." stats line carries SGLang's accept length when speculating.
+    """
+    import logging
+    import re
+
     target_dir, draft_dir = short_context
     prompt = random_prompts(1, seed=4)[0]
-    with spec_scheduler(target_dir, draft_dir) as (sched, _):
-        run = generate(sched, [prompt, prompt], [SamplingParams(max_new_tokens=12, temperature=1e-39), greedy(12)])
+    with spec_scheduler(target_dir, draft_dir, decode_log_interval=2) as (sched, _):
+        with caplog.at_level(logging.INFO, logger="sglite.srt.managers.scheduler"):
+            run = generate(sched, [prompt, prompt], [SamplingParams(max_new_tokens=12, temperature=1e-39), greedy(12)])
     assert run.ids["r0"] == run.ids["r1"] and len(run.ids["r0"]) == 12
+    decode = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
+    assert decode and all(re.search(r", accept len: \d+\.\d\d, gen throughput", m) for m in decode), decode
