@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from typing import Optional, Sequence
 
 from sglite.srt.default_model import describe_model_choice, resolve_default_model
+from sglite.srt.entrypoints.preflight import run_preflight
 from sglite.srt.server_args import ServerArgs, ServerArgsError
 
 logger = logging.getLogger("sglite.launch_server")
@@ -24,7 +26,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = MODULE_PROG) -> int:
     parsed = ServerArgs.from_cli(argv, prog=prog)
     try:
         args = resolve_default_model(parsed).validate()
+        run_preflight(args)  # before any process starts or weight loads: one line naming the flag
     except ServerArgsError as e:
+        if parsed.log_level == "debug":
+            traceback.print_exc()
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(

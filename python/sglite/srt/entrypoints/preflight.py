@@ -1,0 +1,91 @@
+"""Start-up checks against the host, run after flag validation and before any process starts or weight loads.
+
+``ServerArgs.validate()`` checks the flags among themselves; these checks need the machine: the port
+is free, the model and draft directories exist and are readable (sglite never downloads, so a Hub id
+is a missing path), the ranks fit the devices or cores, and the context length fits the model. Each
+failure is a ``ServerArgsError`` whose one-line message names the flag to change.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from typing import Optional
+
+from sglite.srt.server_args import ServerArgs, ServerArgsError
+
+
+def run_preflight(args: ServerArgs) -> None:
+    """Raise ServerArgsError on the first mistake found (cheapest checks first)."""
+    check_port_free(args.host, args.port)
+    check_model_dir("--model-path", args.model_path)
+    check_model_dir("--speculative-draft-model-path", args.speculative_draft_model_path)
+    check_model_dir("--tokenizer-path", args.tokenizer_path, needs_config=False)
+    check_context_length(args)
+    check_ranks_fit(args)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The HTTP port can be bound now (found in milliseconds, not after the model loads)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # uvicorn binds with SO_REUSEADDR too, so a port in TIME_WAIT is not reported as busy.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+            raise ServerArgsError(f"--port {port} on --host {host} {why}; pick another --port") from e
+
+
+def check_model_dir(flag: str, path: Optional[str], *, needs_config: bool = True) -> None:
+    """``path`` is a readable local directory (with a config.json for a model)."""
+    if path is None:
+        return
+    if not os.path.exists(path):
+        raise ServerArgsError(
+            f"{flag} {path} does not exist; sglite loads local directories only and never downloads from "
+            "the Hugging Face Hub (download it first, e.g. `huggingface-cli download <repo> --local-dir <dir>`)"
+        )
+    if not os.path.isdir(path):
+        raise ServerArgsError(f"{flag} {path} is not a directory; pass the model's directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ServerArgsError(f"{flag} {path} is not readable by this user; fix its permissions or pass another {flag}")
+    config = os.path.join(path, "config.json")
+    if needs_config and not os.path.isfile(config):
+        raise ServerArgsError(f"{flag} {path} has no config.json; pass a Hugging Face model directory")
+    if needs_config and not os.access(config, os.R_OK):
+        raise ServerArgsError(f"{flag} {config} is not readable by this user; fix its permissions")
+
+
+def check_context_length(args: ServerArgs) -> None:
+    """--context-length fits the model's positions (rope has no angles past them), as SGLang requires."""
+    if args.context_length is None or args.model_path is None:
+        return
+    from sglite.srt.configs.model_config import ModelConfig
+
+    try:
+        model_max = ModelConfig.from_path(args.model_path).max_position_embeddings
+    except (OSError, ValueError, KeyError) as e:
+        raise ServerArgsError(f"--model-path {args.model_path}: config.json cannot be read ({e})") from e
+    if args.context_length > model_max:
+        raise ServerArgsError(
+            f"--context-length {args.context_length} exceeds the model's max_position_embeddings {model_max}; "
+            f"lower --context-length to at most {model_max}"
+        )
+
+
+def check_ranks_fit(args: ServerArgs) -> None:
+    """One scheduler rank per device on CUDA, per core on CPU: more ranks than that cannot run."""
+    ranks = args.tp_size if args.enable_dp_attention else args.tp_size * args.dp_size
+    if ranks == 1:
+        return
+    flags = "--tp-size" if args.dp_size == 1 or args.enable_dp_attention else "--tp-size x --dp-size"
+    if args.resolved_device() == "cuda":
+        import torch
+
+        have, what = torch.cuda.device_count(), "CUDA devices"
+    else:
+        have, what = len(os.sched_getaffinity(0)), "CPU cores"
+    if ranks > have:
+        raise ServerArgsError(f"{flags} asks for {ranks} scheduler ranks but this machine has {have} {what}; lower {flags}")
