@@ -144,7 +144,8 @@ def run_file(
     timeout = file_timeout if file_timeout is not None else max(300.0, 10.0 * f.est_time)
     with tempfile.TemporaryDirectory(prefix="run_suite_") as tmp:
         xml = os.path.join(tmp, "junit.xml")
-        cmd = [sys.executable, "-m", "pytest", f.path, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+        # -rs: every skip prints its reason (e.g. which system package to install).
+        cmd = [sys.executable, "-m", "pytest", f.path, "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}"]
         cmd += list(pytest_args)
         print(f"\n=== {f.path} (suite {f.suite}, est {f.est_time:.0f} s)", flush=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -178,7 +179,9 @@ def print_table(results: Sequence[FileResult]) -> None:
             f"{r.seconds:>7.1f} {r.file.est_time:>6.0f}"
         )
     total = sum(r.seconds for r in results)
-    print(f"{len(results)} files, {total:.1f} s")
+    passed, skipped = (sum(r.counts.get(k, 0) for r in results) for k in ("passed", "skipped"))
+    failed = sum(r.counts.get("failures", 0) + r.counts.get("errors", 0) for r in results)
+    print(f"{len(results)} files, {passed} passed, {failed} failed, {skipped} skipped, {total:.1f} s")
 
 
 def write_json(path: str, results: Sequence[FileResult], label: str, ok: bool) -> None:

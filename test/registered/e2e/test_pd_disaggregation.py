@@ -23,14 +23,13 @@ import torch
 
 from conftest import CHILD_ENV, SERVER_FLAGS, free_port
 from sglite.testing.greedy_margin import assert_clear_greedy_margins
+from sglite.testing.mooncake import needs_mooncake
 
 SUITE = "e2e-cpu"
 EST_TIME = 120
 
 pytest.importorskip("sglang_router")
-pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine-non-cuda (+ libibverbs1, librdmacm1)")
-
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), needs_mooncake()]
 
 NEW_TOKENS = 16
 

@@ -85,6 +85,8 @@ def test_main_runs_files_and_reports_failures(tmp_path, capsys):
     _write(root, "test_fail.py", 'SUITE = "unit-cpu"\nEST_TIME = 1\ndef test_b():\n    assert 1 + 1 == 3\n')
     _write(root, "test_empty.py", 'SUITE = "unit-cpu"\nEST_TIME = 1\n')
     _write(root, "test_gpu_only.py", 'SUITE = "gpu"\nEST_TIME = 1\ndef test_c():\n    assert False\n')
+    _write(root, "test_skip.py", 'import pytest\nSUITE = "unit-cpu"\nEST_TIME = 1\n'
+           '@pytest.mark.skip(reason="needs libfoo: apt-get install libfoo")\ndef test_d():\n    pass\n')
     assert run_suite.main(["--suite", "unit-cpu", "--root", str(root)]) == 1
     out = capsys.readouterr().out
     table = out[out.index("file ") :]
@@ -97,6 +99,9 @@ def test_main_runs_files_and_reports_failures(tmp_path, capsys):
     assert rows["test_pass.py"][:3] == ["passed", "1", "0"]
     assert rows["test_fail.py"][:3] == ["failed", "0", "1"]
     assert rows["test_empty.py"][0] == "no-tests"  # a registered file with no tests is a failure
+    # A skip passes and is counted in its row and in the total (pytest -rs prints its reason).
+    assert rows["test_skip.py"][:4] == ["passed", "0", "0", "1"]
+    assert "4 files, 1 passed, 1 failed, 1 skipped" in out
     assert "FAILED" in out and "registered/test_empty.py [no-tests]" in out
 
 
