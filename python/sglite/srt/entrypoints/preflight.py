@@ -19,6 +19,8 @@ from sglite.srt.server_args import ServerArgs, ServerArgsError
 def run_preflight(args: ServerArgs) -> None:
     """Raise ServerArgsError on the first mistake found (cheapest checks first)."""
     check_port_free(args.host, args.port)
+    if args.disaggregation_mode == "prefill":  # the prefill node's bootstrap server binds a second port
+        check_port_free(args.host, args.disaggregation_bootstrap_port, flag="--disaggregation-bootstrap-port")
     check_model_dir("--model-path", args.model_path)
     check_model_dir("--speculative-draft-model-path", args.speculative_draft_model_path)
     check_model_dir("--tokenizer-path", args.tokenizer_path, needs_config=False)
@@ -26,8 +28,8 @@ def run_preflight(args: ServerArgs) -> None:
     check_ranks_fit(args)
 
 
-def check_port_free(host: str, port: int) -> None:
-    """The HTTP port can be bound now (found in milliseconds, not after the model loads)."""
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """``port`` can be bound on ``host`` now (found in milliseconds, not after the model loads)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         # uvicorn binds with SO_REUSEADDR too, so a port in TIME_WAIT is not reported as busy.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -35,7 +37,7 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as e:
             why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
-            raise ServerArgsError(f"--port {port} on --host {host} {why}; pick another --port") from e
+            raise ServerArgsError(f"{flag} {port} on --host {host} {why}; pick another {flag}") from e
 
 
 def check_model_dir(flag: str, path: Optional[str], *, needs_config: bool = True) -> None:

@@ -84,6 +84,15 @@ def test_busy_port_is_found_before_the_model_loads(model_dir):
         assert r.returncode != 0 and "Traceback" in r.stderr and "--port" in r.stderr.splitlines()[-1]
 
 
+def test_busy_bootstrap_port_of_a_prefill_node(model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        r, elapsed = _launch("--model-path", model_dir, "--port", str(_free_port()), "--disaggregation-mode", "prefill",
+                             "--disaggregation-bootstrap-port", str(busy.getsockname()[1]))
+    _assert_one_clear_error(r, elapsed, "--disaggregation-bootstrap-port", "already in use")
+
+
 def test_unreadable_model_dir(tmp_path, model_dir):
     if os.geteuid() == 0:
         pytest.skip("root reads every directory")

@@ -664,6 +664,11 @@ def test_context_len_is_the_plans_and_a_request_may_fill_it(short_context):
     assert run.finish["r0"]["type"] == "length" and len(run.ids["r0"]) == 64 - len(prompt)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     assert run.ids["r0"] == target_greedy(target, prompt, 64 - len(prompt))
+    # --context-length 40 is served as 40 (it was 40 + B + 1).
+    with spec_scheduler(target_dir, draft_dir, context_length=40) as (sched, worker):
+        assert worker.context_len == worker.target_runner.memory_pool_config.context_len == sched.context_len == 40
+        run = generate(sched, [prompt], [greedy(40 - len(prompt))])
+    assert run.ids["r0"] == target_greedy(target, prompt, 40 - len(prompt))
 
 
 def test_temperature_1e_39_with_dflash_is_greedy(short_context, caplog):
