@@ -384,3 +384,47 @@ def test_return_logprob_needs_a_supporting_worker():
     res = _collect(s.run_until_idle())
     assert res["lp"][1]["type"] == "abort" and "return_logprob" in res["lp"][1]["message"]
     _assert_no_leak(s)
+
+
+class _StrictTokenizer:
+    """tiny_char_tokenizer whose decode refuses a non-bool skip_special_tokens, as HF tokenizers do."""
+
+    def __init__(self):
+        self.inner = tiny_char_tokenizer(VOCAB)
+
+    def decode(self, ids, skip_special_tokens=True):
+        if not isinstance(skip_special_tokens, bool):
+            raise TypeError(f"skip_special_tokens must be a bool, got {skip_special_tokens!r}")
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("page_size,block", [(1, 1), (4, 1), (1, 4), (4, 4)])
+def test_a_fault_in_one_requests_finish_checks_fails_it_alone(page_size, block):
+    """Regression: skip_special_tokens "no" (below validation) raised in the stop-string check for everyone."""
+    w = FakeModelWorker(vocab_size=VOCAB, page_size=page_size, block_size=block)
+    s = _sched(w, tokenizer=_StrictTokenizer())
+    prompts = _prompts(4, seed=5)
+    for i, p in enumerate(prompts):
+        s.add_request(_req(f"r{i}", p, max_new=12, ignore_eos=True))
+    bad = SamplingParams(max_new_tokens=12, temperature=0.0, stop=["zzz"], skip_special_tokens="no")
+    s.add_request(TokenizedGenerateReqInput(rid="bad", input_text=None, input_ids=prompts[0], sampling_params=bad))
+    res = _collect(s.run_until_idle())
+    reason = res["bad"][1]
+    assert reason["type"] == "abort" and reason["status_code"] == 500 and "TypeError" in reason["message"]
+    for i, p in enumerate(prompts):
+        assert res[f"r{i}"][0] == reference_generate(p, 12, VOCAB, ignore_eos=True), i
+    _assert_no_leak(s)
+
+
+def test_an_accelerator_fault_is_a_process_fault():
+    """A lost device context is every request's: it propagates (the server then ends as before)."""
+    w = FakeModelWorker(vocab_size=VOCAB)
+    s = _sched(w)
+
+    def lost_device(batch):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    w.forward_prefill = lost_device
+    s.add_request(_req("r0", [5, 6, 7]))
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        s.run_until_idle()
