@@ -15,7 +15,7 @@ from sglite.testing.greedy_margin import assert_clear_greedy_margins
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
-EST_TIME = 90
+EST_TIME = 105
 
 rng = random.Random(0)
 SYSTEM = [rng.randrange(3, 500) for _ in range(19)]
