@@ -201,7 +201,7 @@ def test_a_fault_in_one_requests_sampling_fails_that_request_only(tiny, rank0, p
     """Failure isolation: the batch is retried request by request; only the faulty one ends (status 500)."""
     d, expected = tiny
     s = _scheduler(d, page_size=page_size)
-    runner = s.worker.model_runner
+    runner = s.worker.target_runner
     runner.sampler = _PoisonedSampler(runner.sampler, from_step=fault_step)
     poisoned = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, seed=POISON_SEED)
     for i, p in enumerate(PROMPTS):
