@@ -265,6 +265,9 @@ class MemoryPoolConfig:
     mamba_state_slots: Optional[int] = None
     state_bytes_per_slot: Optional[int] = None
     speculative_algorithm: Optional[str] = None
+    # How the draft was priced: "draft_geometry" (DFLASH/DSPARK: its own layers and heads) or "layer_ratio"
+    # (EAGLE/STANDALONE: the target's per-layer cell); None without a draft. The pool builder checks by it.
+    draft_pricing: Optional[str] = None
     draft_kv_cache_dtype: Optional[str] = None
     target_kv_heads_per_rank: Optional[int] = None  # None for MLA (latent, not per head)
     draft_kv_heads_per_rank: Optional[int] = None

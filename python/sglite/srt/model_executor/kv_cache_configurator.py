@@ -37,7 +37,6 @@ from sglite.srt.model_executor.pool_configurator import (
     create_pool_configurator,
 )
 from sglite.srt.runtime_context import get_parallel
-from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +218,7 @@ class KVCacheConfigurator:
             mamba_state_slots=plan.state_slots,
             state_bytes_per_slot=plan.target_state.bytes_per_slot() if plan.target_state else None,
             speculative_algorithm=aux.algorithm,
+            draft_pricing=conf.draft_pricing,
             draft_kv_cache_dtype=dtype_name(aux.draft_kv_cache_dtype),
             target_kv_heads_per_rank=ta.head_num if ta is not None and ta.kind == "mha" else None,
             draft_kv_heads_per_rank=plan.draft.head_num if plan.draft is not None and plan.draft.kind == "mha" else None,
@@ -270,9 +270,7 @@ def _check_model_matches(cfg: MemoryPoolConfig, model_config: ModelConfig, is_dr
         g = plan.draft
         if g is None:
             raise MemoryPlanError("the memory plan was made without a draft; cannot build a draft pool")
-        if g.num_layers != model_config.num_hidden_layers and SpeculativeAlgorithm.from_string(
-            cfg.speculative_algorithm
-        ).is_dflash_family():
+        if cfg.draft_pricing == "draft_geometry" and g.num_layers != model_config.num_hidden_layers:
             raise MemoryPlanError(
                 f"the plan priced {g.num_layers} draft layers but the draft model has {model_config.num_hidden_layers}"
             )

@@ -96,6 +96,7 @@ class BasePoolConfigurator(abc.ABC):
 
     def _draft_geometry(self) -> Optional[AttnPoolGeometry]:
         aux = self.inputs.spec_aux
+        self.draft_pricing: Optional[str] = None
         if not aux.has_draft:
             return None
         if aux.attn_tp_size != self.attn_tp_size:
@@ -104,6 +105,7 @@ class BasePoolConfigurator(abc.ABC):
                 f"attn_tp_size={self.attn_tp_size}; resolve_spec_aux_hidden_state must run after init_parallel_runtime"
             )
         own = aux.draft_geometry
+        self.draft_pricing = "draft_geometry" if aux.is_dflash_family else "layer_ratio"
         if own is None or own.cell_bytes() <= 0:
             raise MemoryPlanError(
                 f"{aux.algorithm} draft has no positive per-token price; a draft pool that will be "

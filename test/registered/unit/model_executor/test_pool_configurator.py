@@ -252,6 +252,7 @@ def test_eagle_layer_ratio_must_equal_the_drafts_own_price():
         aux = _aux("EAGLE", mc, _eagle_draft(mc, layers=5))
         conf = DefaultPoolConfigurator(_inputs(mc, aux))
         assert conf.draft_cell_bytes() == aux.draft_cell_bytes == conf.draft.cell_bytes() == 65536 * 5 // 32
+        assert conf.draft_pricing == "layer_ratio"
         # A draft whose own heads differ from the target's (the resolver refuses such a config.json too).
         wider = dataclasses.replace(aux, draft_geometry=dataclasses.replace(aux.draft_geometry, head_num=8))
         with pytest.raises(MemoryPlanError, match="layer-ratio"):
@@ -267,6 +268,7 @@ def test_dflash_draft_price_is_the_draft_pools_bytes_per_token():
         plan = conf.plan_for_tokens(64)
         pool = plan.build_draft_kv_pool("meta")
         assert aux.draft_cell_bytes == conf.draft_cell_bytes() == plan.draft.cell_bytes() == 20480
+        assert conf.draft_pricing == "draft_geometry"
         assert pool.nbytes() == (64 + plan.page_size) * aux.draft_cell_bytes
 
 
