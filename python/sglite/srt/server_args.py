@@ -50,6 +50,10 @@ class ServerArgs:
     model_path: Optional[str] = _opt("Model directory (config.json + safetensors); default: the embedded model")
     tokenizer_path: Optional[str] = _opt("Tokenizer directory; default: --model-path")
     served_model_name: Optional[str] = _opt("Model name reported by the OpenAI API; default: --model-path")
+    chat_template: Optional[str] = _opt(
+        "Chat template for /v1/chat/completions: a Jinja file, a JSON file with 'chat_template', or a built-in "
+        "name (chatml); default: the tokenizer's own"
+    )
     context_length: Optional[int] = _opt("Maximum context length; default: the model's max_position_embeddings")
     dtype: str = _opt("Weight and activation dtype", "auto", DTYPES)
     device: Optional[str] = _opt("Device; default: cuda when available, else cpu", None, DEVICES)
@@ -138,6 +142,13 @@ class ServerArgs:
     def validate(self) -> "ServerArgs":
         """Check every rule that can be checked before a model loads; raise ServerArgsError."""
         _require(self.tp_size >= 1, "--tp-size must be >= 1")
+        if self.chat_template is not None:
+            from sglite.srt.managers.template_manager import load_chat_template
+
+            try:
+                load_chat_template(self.chat_template)
+            except ValueError as e:
+                raise ServerArgsError(str(e)) from None
         _require(self.dp_size >= 1, "--dp-size must be >= 1")
         _require(self.attn_cp_size >= 1, "--attn-cp-size must be >= 1")
         _require(
