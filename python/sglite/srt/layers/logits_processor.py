@@ -33,19 +33,10 @@ class LogitsProcessorOutput:
     extend_logits: Optional[torch.Tensor] = None  # [T, vocab] with ForwardBatch.return_extend_logits
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log p(token) under the model's own distribution (raw logits, before sampling transforms), as vLLM reports it.
-
-    ``logits`` ``[..., vocab]`` and ``token_ids`` ``[...]``; returns fp32 ``[...]``.
-    """
-    ids = token_ids.to(logits.device, torch.int64).unsqueeze(-1)
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids).squeeze(-1)
-
-
 def logprobs_with_top(
     logits: torch.Tensor, token_ids: torch.Tensor, top_k: Sequence[int]
 ) -> tuple[list[float], list[tuple[list[int], list[float]]]]:
-    """Per row: log p(token) and the ``top_k[row]`` most likely (ids, logprobs), raw logits as ``token_logprobs``.
+    """Per row: log p(token) and the ``top_k[row]`` most likely (ids, logprobs), from the raw logits (vLLM's raw_logprobs).
 
     ``logits`` ``[rows, vocab]``, ``token_ids`` ``[rows]``; one log_softmax serves both.
     """

@@ -3,13 +3,12 @@ and DSPARK: greedy tokens equal transformers with its own logits processors appl
 drafts against the same processed distribution, whose penalty state advances draft by draft."""
 
 import pytest
-import torch
 
 from sglite.srt.sampling.sampling_params import SamplingParams
 from sglite.testing.penalty_reference import hf_processed_greedy
-from sglite.testing.tiny_dflash import build_tiny_dspark_draft, build_tiny_target, load_reference_pair, train_tiny_draft
+from sglite.testing.tiny_dflash import build_tiny_dspark_draft
 
-from test_dflash_worker import generate, plain_scheduler, spec_scheduler  # noqa: E402  (same directory)
+from test_dflash_worker import generate, plain_scheduler, spec_scheduler, trained  # noqa: F401  (same directory; trained is a fixture)
 
 SUITE = "unit-cpu"
 EST_TIME = 60
@@ -18,13 +17,10 @@ MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("dflash_sampling_options")
-    target_dir = build_tiny_target(str(d / "target"), seed=0)
-    tr = train_tiny_draft(str(d / "draft"), target_dir, steps=300, seed=0)
-    dspark_dir = build_tiny_dspark_draft(str(d / "dspark"), tr.draft_dir, markov_rank=8, markov_scale=1.0)
-    target, _ = load_reference_pair(target_dir, tr.draft_dir)
+def pair(trained, tmp_path_factory):
+    """The trained DFLASH pair of test_dflash_worker plus a DSPARK draft (a Markov head on its weights)."""
+    target_dir, tr, target, _ = trained
+    dspark_dir = build_tiny_dspark_draft(str(tmp_path_factory.mktemp("dspark_options")), tr.draft_dir, markov_rank=8, markov_scale=1.0)
     return target_dir, tr, dspark_dir, target
 
 

@@ -14,7 +14,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -251,6 +251,32 @@ class OpenAIServingBase(abc.ABC):
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
+
+    async def full_response(
+        self, req: Any, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput], object_name: str,
+        id_prefix: str, choice: Callable[[dict[str, Any]], dict[str, Any]],
+    ) -> Response:
+        """The non-streaming body: every choice (``choice(output)``, ordered by index), usage, optional meta_info."""
+        finals = sorted([o async for o in self.tm.generate_request(obj, tokenized)], key=lambda o: o["index"])
+        metas = [o["meta_info"] for o in finals]
+        failed = abort_error_response(metas)
+        if failed is not None:
+            return failed
+        body: dict[str, Any] = {
+            "id": self.new_id(id_prefix),
+            "object": object_name,
+            "created": self.now(),
+            "model": self.served_model_name,
+            "choices": [{
+                "index": out["index"], **choice(out),
+                "finish_reason": finish_reason_str(out["meta_info"]["finish_reason"]),
+                "matched_stop": out["meta_info"]["finish_reason"].get("matched"),
+            } for out in finals],
+            "usage": self.total_usage(metas, req.n),
+        }
+        if req.return_meta_info:
+            body["meta_info"] = metas[0] if len(metas) == 1 else metas
+        return JSONResponse(body)
 
     @staticmethod
     def meta_usage(meta: dict[str, Any]) -> dict[str, Any]:

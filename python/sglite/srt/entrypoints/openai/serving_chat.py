@@ -5,10 +5,10 @@ from __future__ import annotations
 import inspect
 from typing import Any, AsyncIterator, Optional
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from sglite.srt.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from sglite.srt.entrypoints.openai.serving_base import OpenAIServingBase, abort_error_response, finish_reason_str, sse
+from sglite.srt.entrypoints.openai.serving_base import OpenAIServingBase, finish_reason_str, sse
 from sglite.srt.entrypoints.openai.template_worker import TemplateRenderError, TemplateWorker
 from sglite.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from sglite.srt.managers.tokenizer_manager import RequestValidationError, TokenizerManager
@@ -123,29 +123,10 @@ class OpenAIServingChat(OpenAIServingBase):
 
     async def respond_full(self, req: ChatCompletionRequest, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> Response:
         """One chat.completion object with n choices."""
-        finals = sorted([o async for o in self.tm.generate_request(obj, tokenized)], key=lambda o: o["index"])
-        metas = [o["meta_info"] for o in finals]
-        failed = abort_error_response(metas)
-        if failed is not None:
-            return failed
-        choices = [{
-            "index": out["index"],
+        return await self.full_response(req, obj, tokenized, "chat.completion", "chatcmpl", lambda out: {
             "message": {"role": "assistant", "content": out["text"]},
             "logprobs": self.chat_logprobs(out["meta_info"]) if req.logprobs else None,
-            "finish_reason": finish_reason_str(out["meta_info"]["finish_reason"]),
-            "matched_stop": out["meta_info"]["finish_reason"].get("matched"),
-        } for out in finals]
-        body: dict[str, Any] = {
-            "id": self.new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": self.now(),
-            "model": self.served_model_name,
-            "choices": choices,
-            "usage": self.total_usage(metas, req.n),
-        }
-        if req.return_meta_info:
-            body["meta_info"] = metas[0] if len(metas) == 1 else metas
-        return JSONResponse(body)
+        })
 
     async def stream_chunks(self, req: ChatCompletionRequest, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> AsyncIterator[str]:
         """chat.completion.chunk events per choice: role first, then content deltas, then finish; usage last."""

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from sglite.srt.entrypoints.openai.protocol import CompletionRequest
 from sglite.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
-    abort_error_response,
     finish_reason_str,
     sse,
 )
@@ -71,32 +70,10 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
     async def respond_full(self, req: CompletionRequest, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> Response:
         """One text_completion object: n choices per prompt, prompt-major."""
-        finals = sorted([o async for o in self.tm.generate_request(obj, tokenized)], key=lambda o: o["index"])
-        metas = [o["meta_info"] for o in finals]
-        failed = abort_error_response(metas)
-        if failed is not None:
-            return failed
-        choices = []
-        for out in finals:
-            meta = out["meta_info"]
-            choices.append({
-                "index": out["index"],
-                "text": (self.echo_text(obj, out["index"], req.n) if req.echo else "") + out["text"],
-                "logprobs": self.completion_logprobs(meta, with_prompt=req.echo) if req.logprobs is not None else None,
-                "finish_reason": finish_reason_str(meta["finish_reason"]),
-                "matched_stop": meta["finish_reason"].get("matched"),
-            })
-        body: dict[str, Any] = {
-            "id": self.new_id("cmpl"),
-            "object": "text_completion",
-            "created": self.now(),
-            "model": self.served_model_name,
-            "choices": choices,
-            "usage": self.total_usage(metas, req.n),
-        }
-        if req.return_meta_info:
-            body["meta_info"] = metas[0] if len(metas) == 1 else metas
-        return JSONResponse(body)
+        return await self.full_response(req, obj, tokenized, "text_completion", "cmpl", lambda out: {
+            "text": (self.echo_text(obj, out["index"], req.n) if req.echo else "") + out["text"],
+            "logprobs": self.completion_logprobs(out["meta_info"], with_prompt=req.echo) if req.logprobs is not None else None,
+        })
 
     async def stream_chunks(self, req: CompletionRequest, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> AsyncIterator[str]:
         """text_completion chunks with deltas (the echoed prompt first); finish chunks per choice; usage last."""
