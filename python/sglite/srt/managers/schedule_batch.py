@@ -179,6 +179,12 @@ class ScheduleBatch:
         """A prefill where some request still needs prompt logprobs (the forward returns every row's logits)."""
         return self.is_prefill and any(r.input_logprob_start is not None for r in self.reqs)
 
+    def record_sampled_logprobs(self, logits: torch.Tensor, next_ids: torch.Tensor) -> None:
+        """``next_token_logprobs`` / ``next_token_top_logprobs`` of one sampled token per request (logits ``[bs, V]``)."""
+        chosen, top = logprobs_with_top(logits, next_ids.reshape(-1), [r.top_logprobs_num for r in self.reqs])
+        self.next_token_logprobs = [[x] for x in chosen]
+        self.next_token_top_logprobs = [[t] for t in top]
+
     def record_input_logprobs(self, extend_logits: torch.Tensor) -> None:
         """Store on each request the logprobs of its prompt tokens this prefill scored.
 

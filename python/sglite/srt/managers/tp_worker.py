@@ -6,7 +6,6 @@ from typing import Any, Optional
 
 import torch
 
-from sglite.srt.layers.logits_processor import logprobs_with_top
 from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -79,9 +78,7 @@ class TpModelWorker(BaseModelWorker):
         next_ids = runner.sample(logits, self._sampling_info(batch))
         if batch.return_logprob:
             # The model's own distribution (raw logits, before temperature / top-k / top-p), as vLLM reports it.
-            chosen, top = logprobs_with_top(logits, next_ids.view(-1), [r.top_logprobs_num for r in batch.reqs])
-            batch.next_token_logprobs = [[x] for x in chosen]
-            batch.next_token_top_logprobs = [[t] for t in top]
+            batch.record_sampled_logprobs(logits, next_ids)
         return [[int(t)] for t in next_ids.tolist()]
 
     @torch.inference_mode()  # as _forward_and_sample: every forward of this worker runs in one mode

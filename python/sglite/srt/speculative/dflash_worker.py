@@ -190,9 +190,7 @@ class DFlashWorker(BaseModelWorker):
         info = self._sampling_info(batch)
         next_ids = self.target_runner.sample(out.next_token_logits, info)
         if batch.return_logprob:
-            chosen, top = logprobs_with_top(out.next_token_logits, next_ids, [r.top_logprobs_num for r in batch.reqs])
-            batch.next_token_logprobs = [[x] for x in chosen]
-            batch.next_token_top_logprobs = [[t] for t in top]
+            batch.record_sampled_logprobs(out.next_token_logits, next_ids)
         return [[int(t)] for t in next_ids.tolist()]
 
     @torch.no_grad()
@@ -254,7 +252,7 @@ class DFlashWorker(BaseModelWorker):
         self._write_context(out, fb.positions, slots)
         next_ids = self.target_runner.sample(out.next_token_logits, self._sampling_info(batch))
         if batch.return_logprob:
-            self._returned_token_logprobs(batch, out.next_token_logits, [[int(t)] for t in next_ids.tolist()], 1)
+            batch.record_sampled_logprobs(out.next_token_logits, next_ids)
         bs = batch.batch_size
         self.last_step = DFlashStepStats(accept_lens=[0] * bs, draft_ids=[[] for _ in range(bs)], verified_drafts=0)
         return [[int(t)] for t in next_ids.tolist()]
