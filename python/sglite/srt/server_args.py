@@ -50,6 +50,10 @@ class ServerArgs:
     model_path: Optional[str] = _opt("Model directory (config.json + safetensors); default: the embedded model")
     tokenizer_path: Optional[str] = _opt("Tokenizer directory; default: --model-path")
     served_model_name: Optional[str] = _opt("Model name reported by the OpenAI API; default: --model-path")
+    chat_template: Optional[str] = _opt(
+        "Chat template for /v1/chat/completions: a Jinja file, a JSON file with 'chat_template', or a built-in "
+        "name (chatml); default: the tokenizer's own"
+    )
     context_length: Optional[int] = _opt("Maximum context length; default: the model's max_position_embeddings")
     dtype: str = _opt("Weight and activation dtype", "auto", DTYPES)
     device: Optional[str] = _opt("Device; default: cuda when available, else cpu", None, DEVICES)

@@ -2,6 +2,9 @@
 the `dflash` package's own OpenAI benchmark client is served as-is, and greedy output equals the
 target's greedy decoding in transformers."""
 
+import json
+import os
+
 import openai
 import pytest
 import torch
@@ -12,7 +15,7 @@ from sglite.testing.greedy_margin import assert_clear_greedy_margins
 from conftest import ServerProcess
 
 SUITE = "e2e-cpu"
-EST_TIME = 45
+EST_TIME = 60
 
 MESSAGES = [{"role": "user", "content": "Write a function that returns the sum of a list."}]
 MAX_TOKENS = 40
@@ -95,3 +98,41 @@ def test_chat_logprobs_are_the_targets_own(server):
     ref = torch.log_softmax(logits.float(), dim=-1).gather(1, greedy[:, None]).squeeze(1).tolist()
     assert [c.token for c in content] == [tok.decode([t]) for t in greedy.tolist()]
     assert [c.logprob for c in content] == pytest.approx(ref, abs=1e-3)
+
+
+@pytest.mark.timeout(240)
+def test_sampling_options_and_spec_meta_over_http(server):
+    """On the DFLASH server, through the openai client: penalties + logit_bias + min_tokens equal the target's
+    greedy under transformers' own processors (lossless verify), n and top logprobs are served, and
+    meta_info carries SGLang's spec fields with their 0.5.23 meanings."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglite.srt.sampling.sampling_params import SamplingParams
+    from sglite.testing.penalty_reference import hf_processed_greedy
+
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused")
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"]
+    plain = hf_processed_greedy(model, prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
+    bias = {str(plain[3]): -100.0}
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=0.4,
+                            presence_penalty=0.3, repetition_penalty=1.1, logit_bias=bias, min_new_tokens=5)
+    ref = hf_processed_greedy(model, prompt, params)
+    assert ref != plain
+    resp = client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=24, temperature=0, n=2, frequency_penalty=0.4,
+        presence_penalty=0.3, logit_bias=bias, logprobs=True, top_logprobs=3,
+        extra_body={"repetition_penalty": 1.1, "min_tokens": 5, "ignore_eos": True, "return_meta_info": True},
+    )
+    assert [c.message.content for c in resp.choices] == [tok.decode(ref, skip_special_tokens=True)] * 2
+    assert all(len(e.top_logprobs) == 3 for c in resp.choices for e in c.logprobs.content)
+    with open(os.path.join(DEFAULT_DRAFT_DIR, "config.json")) as f:
+        block = json.load(f)["block_size"]
+    for meta in resp.model_extra["meta_info"]:
+        verifies = meta["spec_verify_ct"]
+        assert meta["spec_num_proposed_drafts"] == verifies * (block - 1)  # DFLASH: B - 1 drafts per verify
+        assert meta["spec_accept_rate"] == pytest.approx(meta["spec_num_correct_drafts"] / meta["spec_num_proposed_drafts"])
+        # Every verify returns its accepted drafts + a bonus; max_tokens may cut the last one short.
+        assert meta["spec_num_correct_drafts"] >= meta["completion_tokens"] - 1 - verifies
+        assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / verifies)

@@ -1,7 +1,8 @@
 """The HTTP server: FastAPI app over the TokenizerManager, run by uvicorn.
 
-Routes: OpenAI (/v1/chat/completions, /v1/completions, /v1/models), SGLang native (/generate,
-/health, /health_generate, /get_model_info | /model_info, /get_server_info | /server_info,
+Routes: OpenAI (/v1/chat/completions, /v1/completions, /v1/models, /v1/models/{id}), SGLang native
+(/generate, /health, /health_generate, /ready, /version, /get_model_info | /model_info,
+/get_server_info | /server_info, /tokenize | /v1/tokenize, /detokenize | /v1/detokenize,
 /abort_request, /flush_cache), Prometheus /metrics and the OpenAPI schema /openapi.json (the body
 routes declare their request models there). Every client error is a 400 with an OpenAI-style body
 (FastAPI's 422 included; 413 / 408 for a body too large or too slow); a dead subprocess turns
@@ -29,6 +30,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import sglite
 from sglite.srt.entrypoints.engine import server_info
 from sglite.srt.entrypoints.launcher import LaunchedRuntime, LaunchError, launch_subprocesses
 from sglite.srt.entrypoints.metrics import ServerMetrics
@@ -36,7 +38,9 @@ from sglite.srt.entrypoints.openai.protocol import (
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
+    TokenizeRequest,
     error_body,
 )
 from sglite.srt.entrypoints.openai.serving_base import (
@@ -57,6 +61,7 @@ from sglite.srt.entrypoints.request_limits import (
     body_error_response,
     default_max_request_body_bytes,
 )
+from sglite.srt.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from sglite.srt.managers.cpu_threads import limit_to_one_thread
 from sglite.srt.managers.io_struct import GenerateReqInput
 from sglite.srt.managers.tokenizer_manager import EngineDeadError, RequestValidationError
@@ -106,11 +111,11 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
     args = runtime.server_args
     tm = runtime.tokenizer_manager
     served_name = args.served_model_name or args.model_path or "default"
-    aliases = tuple(x for x in (args.model_path,) if x)
     max_body = args.max_request_body_bytes or default_max_request_body_bytes(tm.context_len)
     template_worker = TemplateWorker() if args.trust_request_chat_template else None
-    chat = OpenAIServingChat(tm, served_name, aliases, template_worker=template_worker, max_prompt_chars=max_body)
-    completions = OpenAIServingCompletion(tm, served_name, aliases)
+    chat = OpenAIServingChat(tm, served_name, template_worker=template_worker, max_prompt_chars=max_body)
+    completions = OpenAIServingCompletion(tm, served_name)
+    tokenization = OpenAIServingTokenization(tm)
     metrics = ServerMetrics(served_name) if args.enable_metrics else None
     if metrics is not None:
         tm.on_request_finished = metrics.observe_finished
@@ -156,15 +161,28 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
     async def v1_completions(request: Request) -> Response:
         return await completions.handle(request)
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": served_name, "object": "model", "created": int(time.time()), "owned_by": "sglite",
+            "root": args.model_path, "max_model_len": tm.context_len,
+        }
+
     @app.get("/v1/models")
     async def v1_models() -> JSONResponse:
-        return JSONResponse({
-            "object": "list",
-            "data": [{
-                "id": served_name, "object": "model", "created": int(time.time()), "owned_by": "sglite",
-                "root": args.model_path, "max_model_len": tm.context_len,
-            }],
-        })
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def v1_model(model: str) -> JSONResponse:
+        if model not in (served_name, args.model_path):
+            return error_response(f"The model `{model}` does not exist.", param="model", status=404, err_type="NotFoundError")
+        return JSONResponse(model_card())
+
+    for prefix in ("", "/v1"):
+        name = prefix.strip("/") or "native"
+        app.add_api_route(prefix + "/tokenize", tokenization.tokenize, methods=["POST"],
+                          openapi_extra=_json_body(TokenizeRequest), operation_id=f"tokenize_{name}")
+        app.add_api_route(prefix + "/detokenize", tokenization.detokenize, methods=["POST"],
+                          openapi_extra=_json_body(DetokenizeRequest), operation_id=f"detokenize_{name}")
 
     # ---------------------------------------------------------------- native
     @app.post("/generate", openapi_extra=_json_body(GenerateRequest))
@@ -187,7 +205,8 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
             if failed is not None:
                 return failed
             public = [{"text": o["text"], "output_ids": o["output_ids"], "meta_info": o["meta_info"]} for o in outs]
-            return JSONResponse(public if obj.is_batch else public[0])
+            # A batch, or n > 1 choices of one prompt, answers a list (SGLang's shape).
+            return JSONResponse(public if len(public) > 1 or obj.is_batch else public[0])
 
         return await run_until_disconnect(request, full())
 
@@ -195,7 +214,7 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
         try:
             async for o in tm.generate_request(obj, tokenized):
                 item = {"text": o["text"], "output_ids": o["output_ids"], "meta_info": o["meta_info"]}
-                if obj.is_batch:
+                if obj.is_batch or len(tokenized) > 1:
                     item["index"] = o["index"]
                 yield sse(item)
         except EngineDeadError as e:
@@ -230,12 +249,30 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
             )
         return Response(status_code=200)
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        # Up once the subprocesses answered at start-up; not ready (503) once one has died.
+        reason = tm.dead_reason or tm.check_children()
+        if reason is not None:
+            return error_response(reason, status=503, err_type="ServiceUnavailableError")
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": sglite.__version__})
+
     def model_info() -> dict[str, Any]:
+        # SGLang 0.5.23's keys, plus the draft and the context length.
         return {
             "model_path": args.model_path,
             "tokenizer_path": args.tokenizer_path or args.model_path,
             "served_model_name": served_name,
             "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "load_format": "safetensors",
+            "reasoning_parser": None,
+            "chat_template": args.chat_template,
             "context_length": tm.context_len,
             "vocab_size": tm.vocab_size,
             "speculative_algorithm": args.speculative_algorithm,

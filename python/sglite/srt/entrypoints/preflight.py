@@ -13,6 +13,7 @@ import os
 import socket
 from typing import Optional
 
+from sglite.srt.managers.template_manager import load_chat_template
 from sglite.srt.server_args import ServerArgs, ServerArgsError
 
 
@@ -24,8 +25,19 @@ def run_preflight(args: ServerArgs) -> None:
     check_model_dir("--model-path", args.model_path)
     check_model_dir("--speculative-draft-model-path", args.speculative_draft_model_path)
     check_model_dir("--tokenizer-path", args.tokenizer_path, needs_config=False)
+    check_chat_template(args)
     check_context_length(args)
     check_ranks_fit(args)
+
+
+def check_chat_template(args: ServerArgs) -> None:
+    """``--chat-template`` names a readable template file or a built-in template."""
+    if args.chat_template is None:
+        return
+    try:
+        load_chat_template(args.chat_template)
+    except ValueError as e:
+        raise ServerArgsError(str(e)) from None
 
 
 def check_port_free(host: str, port: int, flag: str = "--port") -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -30,15 +30,24 @@ class LogitsProcessorOutput:
     next_token_logits: torch.Tensor
     hidden_states: Optional[torch.Tensor] = None
     aux_hidden_states: Optional[torch.Tensor] = None
+    extend_logits: Optional[torch.Tensor] = None  # [T, vocab] with ForwardBatch.return_extend_logits
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log p(token) under the model's own distribution (raw logits, before sampling transforms), as vLLM reports it.
+def logprobs_with_top(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_k: Sequence[int]
+) -> tuple[list[float], list[tuple[list[int], list[float]]]]:
+    """Per row: log p(token) and the ``top_k[row]`` most likely (ids, logprobs), from the raw logits (vLLM's raw_logprobs).
 
-    ``logits`` ``[..., vocab]`` and ``token_ids`` ``[...]``; returns fp32 ``[...]``.
+    ``logits`` ``[rows, vocab]``, ``token_ids`` ``[rows]``; one log_softmax serves both.
     """
-    ids = token_ids.to(logits.device, torch.int64).unsqueeze(-1)
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids).squeeze(-1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, token_ids.to(logprobs.device, torch.int64)[:, None])[:, 0].tolist()
+    k_max = max(top_k, default=0)
+    if k_max == 0:
+        return chosen, [([], [])] * len(chosen)
+    values, ids = logprobs.topk(k_max, dim=-1)
+    values_l, ids_l = values.tolist(), ids.tolist()
+    return chosen, [(i[:k], v[:k]) for i, v, k in zip(ids_l, values_l, top_k)]
 
 
 def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
@@ -71,6 +80,13 @@ class LogitsProcessor(nn.Module):
     ) -> LogitsProcessorOutput:
         """Select rows per the forward mode, project with ``lm_head``, gather shards, trim padding."""
         mode = forward_batch.forward_mode
+        if mode.is_extend() and forward_batch.return_extend_logits:
+            extend_logits = self.compute_logits(hidden_states, lm_head)
+            last = last_token_indices(forward_batch)
+            return LogitsProcessorOutput(
+                next_token_logits=extend_logits[last], hidden_states=hidden_states[last],
+                aux_hidden_states=aux_hidden_states, extend_logits=extend_logits,
+            )
         if mode.returns_all_token_logits() or mode.is_decode() or mode.is_idle():
             pruned = hidden_states
         elif mode.is_extend():

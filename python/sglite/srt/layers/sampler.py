@@ -1,5 +1,7 @@
 """Token sampling: greedy, temperature, top-k, top-p and min-p, with per-request seeds.
 
+Penalties, logit_bias and min_new_tokens (``SamplingBatchInfo.process_logits``) change the logits first.
+
 Filtering follows the joint rule of SGLang's torch reference: on probabilities sorted in descending
 order, drop ranks >= top_k, drop tokens whose preceding cumulative mass already exceeds top_p, drop
 tokens below ``min_p * max_prob``. Sampling uses the exponential race (argmax of p / E with
@@ -51,6 +53,7 @@ class Sampler(nn.Module):
         """int64 token ids ``[bs]`` for fp32 logits ``[bs, vocab]``."""
         if logits.dim() != 2 or logits.shape[0] != info.batch_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of {info.batch_size} rows")
+        logits = info.process_logits(logits)
         greedy_ids = row_argmax(logits)
         if info.all_greedy:
             return greedy_ids

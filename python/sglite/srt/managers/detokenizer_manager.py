@@ -164,7 +164,7 @@ class DetokenizerManager:
     def handle(self, out: BatchTokenIDOut) -> Optional[BatchStrOut]:
         """Turn one scheduler output into text deltas (None when nothing is left to send)."""
         rids, strs, ids, reasons = [], [], [], []
-        prompt, completion, cached, verify, cap, logprobs = [], [], [], [], [], []
+        prompt, completion, cached, verify, cap, logprobs, top_logprobs = [], [], [], [], [], [], []
         for i, rid in enumerate(out.rids):
             sched_reason = out.finished_reasons[i]
             if rid in self.ended_here:
@@ -200,12 +200,19 @@ class DetokenizerManager:
             if out.output_token_logprobs is not None:
                 lp = out.output_token_logprobs[i]
                 logprobs.append(None if lp is None else lp[: len(delta.ids)])
+            if out.output_top_logprobs is not None:
+                top = out.output_top_logprobs[i]
+                top_logprobs.append(None if top is None else top[: len(delta.ids)])
         if not rids:
             return None
         return BatchStrOut(
             rids=rids, output_strs=strs, output_ids=ids, finished_reasons=reasons, prompt_tokens=prompt,
             completion_tokens=completion, cached_tokens=cached, spec_verify_ct=verify, spec_cap_length=cap,
             output_token_logprobs=logprobs if out.output_token_logprobs is not None else None,
+            output_top_logprobs=top_logprobs if out.output_top_logprobs is not None else None,
+            input_token_logprobs=_kept(out.input_token_logprobs, out.rids, rids),
+            spec_num_correct_drafts=_kept(out.spec_num_correct_drafts, out.rids, rids),
+            spec_num_proposed_drafts=_kept(out.spec_num_proposed_drafts, out.rids, rids),
         )
 
     def _fail(self, rid: str, sched_reason: Optional[FinishReason], error: Exception) -> tuple[DecodeDelta, FinishReason]:
@@ -229,6 +236,14 @@ class DetokenizerManager:
             else:
                 # Control replies (flush cache, internal state, health) pass through unchanged.
                 self.send_to_tokenizer.send_pyobj(msg)
+
+
+def _kept(values: Optional[list[Any]], all_rids: list[str], kept_rids: list[str]) -> Optional[list[Any]]:
+    """The entries of ``values`` (aligned with ``all_rids``) for the rids that are forwarded."""
+    if values is None:
+        return None
+    by_rid = dict(zip(all_rids, values))
+    return [by_rid[r] for r in kept_rids]
 
 
 def load_tokenizer(path: str) -> Any:

@@ -17,6 +17,7 @@ Rules both sides rely on:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import uuid
@@ -29,6 +30,8 @@ from sglite.srt.sampling.sampling_params import SamplingParams
 #   {"type": "stop", "matched": <token id or stop string>}, {"type": "length", "length": n},
 #   {"type": "abort", "message": "..."}.
 FinishReason = dict[str, Any]
+# One output position's top-k alternatives: (token ids, their logprobs), best first.
+TopLogprobs = tuple[list[int], list[float]]
 
 
 def finish_stop(matched: Union[int, str, None]) -> FinishReason:
@@ -71,6 +74,11 @@ class GenerateReqInput:
     rid: Optional[Union[str, list[str]]] = None
     stream: bool = False
     return_logprob: bool = False
+    # SGLang's logprob options: top-k alternatives per output token, where input logprobs start
+    # (-1: none), and token texts in the logprob entries.
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
     # PD disaggregation (added by the router; identical on the prefill and the decode node).
     bootstrap_host: Optional[Union[str, list[str]]] = None
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
@@ -124,12 +132,7 @@ class GenerateReqInput:
         """One single-prompt request per batch entry (rids filled in); validates first."""
         self.validate()
         if not self.is_batch:
-            return [GenerateReqInput(
-                text=self.text, input_ids=self.input_ids, sampling_params=self.sampling_params,
-                rid=self.rid or new_rid(), stream=self.stream, return_logprob=self.return_logprob,
-                bootstrap_host=self.bootstrap_host, bootstrap_port=self.bootstrap_port,  # type: ignore[arg-type]
-                bootstrap_room=self.bootstrap_room,  # type: ignore[arg-type]
-            )]
+            return [dataclasses.replace(self, rid=self.rid or new_rid())]
 
         def pick(value: Any, i: int) -> Any:
             return value[i] if isinstance(value, list) else value
@@ -137,11 +140,11 @@ class GenerateReqInput:
         out = []
         for i in range(self.batch_size):
             rid = self.rid[i] if isinstance(self.rid, list) else (f"{self.rid}-{i}" if self.rid else new_rid())
-            out.append(GenerateReqInput(
+            out.append(dataclasses.replace(
+                self,
                 text=self.text[i] if self.text is not None else None,  # type: ignore[index]
                 input_ids=self.input_ids[i] if self.input_ids is not None else None,  # type: ignore[index]
-                sampling_params=pick(self.sampling_params, i), rid=rid, stream=self.stream,
-                return_logprob=self.return_logprob, bootstrap_host=pick(self.bootstrap_host, i),
+                sampling_params=pick(self.sampling_params, i), rid=rid, bootstrap_host=pick(self.bootstrap_host, i),
                 bootstrap_port=pick(self.bootstrap_port, i), bootstrap_room=pick(self.bootstrap_room, i),
             ))
         return out
@@ -160,6 +163,9 @@ class TokenizedGenerateReqInput:
     sampling_params: SamplingParams  # verified; max_new_tokens already clipped to fit the context
     stream: bool = False
     return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False  # front end only: token texts in the logprob entries
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
@@ -247,6 +253,14 @@ class BatchTokenIDOut:
     output_token_logprobs: Optional[list[Optional[list[float]]]] = None
     # cap-accept: mean drafts verified per verify forward, once a block of the request was trimmed (else None).
     spec_cap_length: Optional[list[Optional[float]]] = None
+    # Per request, per new token: (top-k token ids, their logprobs), when the request asked for them.
+    output_top_logprobs: Optional[list[Optional[list[TopLogprobs]]]] = None
+    # Per request, once after its prefill: (logprobs, top-k) of prompt positions logprob_start_len .. end
+    # (None entries where there is none: position 0).
+    input_token_logprobs: Optional[list[Optional[tuple[list[Optional[float]], list[Optional[TopLogprobs]]]]]] = None
+    # Per request, totals so far (speculative decoding): drafts accepted (without the bonus) and proposed.
+    spec_num_correct_drafts: Optional[list[int]] = None
+    spec_num_proposed_drafts: Optional[list[int]] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +282,10 @@ class BatchStrOut:
     output_token_logprobs: Optional[list[Optional[list[float]]]] = None
     # cap-accept: mean drafts verified per verify forward, once a block of the request was trimmed (else None).
     spec_cap_length: Optional[list[Optional[float]]] = None
+    output_top_logprobs: Optional[list[Optional[list[TopLogprobs]]]] = None
+    input_token_logprobs: Optional[list[Optional[tuple[list[Optional[float]], list[Optional[TopLogprobs]]]]]] = None
+    spec_num_correct_drafts: Optional[list[int]] = None
+    spec_num_proposed_drafts: Optional[list[int]] = None
 
 
 # ---------------------------------------------------------------------------------------------

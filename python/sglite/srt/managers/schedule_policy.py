@@ -31,8 +31,12 @@ class Policy(str, enum.Enum):
 
 
 def prefix_key(req: Req) -> list[int]:
-    """The tokens a request may take from the prefix cache: all but the newest (its logits are needed)."""
-    return req.all_token_ids[:-1]
+    """The tokens a request may take from the prefix cache: all but the newest (its logits are needed).
+
+    Prompt logprobs from position s need the logits at s - 1, so such a request takes at most s - 1 tokens.
+    """
+    start = req.input_logprob_start
+    return req.all_token_ids[: -1 if start is None else max(start - 1, 0)]
 
 
 class SchedulePolicy:

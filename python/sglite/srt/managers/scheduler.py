@@ -92,7 +92,7 @@ class Scheduler(
         self.server_args = server_args
         self.worker = worker
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(int(t) for t in eos_token_ids)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.init_config(config)
         self.init_memory_pool_and_cache()
         self.init_running_status()
@@ -151,6 +151,9 @@ class Scheduler(
             input_text=recv.input_text,
             stream=recv.stream,
             return_logprob=bool(recv.return_logprob),
+            top_logprobs_num=int(recv.top_logprobs_num),
+            logprob_start_len=int(recv.logprob_start_len),
+            eos_token_ids=self.eos_token_ids,
             bootstrap_host=recv.bootstrap_host,
             bootstrap_port=recv.bootstrap_port,
             bootstrap_room=recv.bootstrap_room,
@@ -186,6 +189,8 @@ class Scheduler(
             return "stop strings need a tokenizer in the scheduler"
         if req.return_logprob and not self.worker.supports_logprobs:
             return f"return_logprob is not supported by {type(self.worker).__name__} (speculative decoding)"
+        if (req.top_logprobs_num or req.input_logprob_start is not None) and self.disaggregation_mode != "null":
+            return "top and prompt logprobs are not carried across a PD handoff; ask a non-disaggregated server"
         return None
 
     def abort_request(self, recv: AbortReq) -> None:

@@ -75,6 +75,8 @@ class SchedulerOutputProcessorMixin:
                 req.spec_verified_drafts += step.verified_drafts
                 # 0 verified: a draft-free step (--speculative-disable-by-batch-size), not a capped block.
                 req.spec_capped_ct += int(0 < step.verified_drafts < self.worker.num_proposed_drafts)
+                req.spec_num_correct_drafts += len(tokens) - 1  # the worker returns accepted drafts + bonus
+                req.spec_num_proposed_drafts += self.worker.num_proposed_drafts if step.verified_drafts else 0
                 self.spec_verify_total += 1
                 self.spec_accepted_total += kept
             req.kv_len = old_kv + kept
@@ -107,6 +109,8 @@ class SchedulerOutputProcessorMixin:
         if batch.next_token_logprobs is None:
             raise RuntimeError(f"{type(self.worker).__name__} returned no logprobs for a return_logprob batch")
         req.output_token_logprobs.extend(batch.next_token_logprobs[i][:kept])
+        if req.top_logprobs_num:
+            req.output_top_logprobs.extend(batch.next_token_top_logprobs[i][:kept])
 
     def _check_finished(self: "Scheduler", req: Req) -> None:
         sp = req.sampling_params
@@ -139,6 +143,16 @@ class SchedulerOutputProcessorMixin:
         """Mark a request as having news for the detokenizer this step."""
         self._touched[req.rid] = req
 
+    @staticmethod
+    def _prompt_logprobs_once(reqs: list[Req]) -> Optional[list[Optional[tuple[list, list]]]]:
+        """Per request, its prompt logprobs (and top-k) the first time it is reported after prefill, else None."""
+        out: list[Optional[tuple[list, list]]] = []
+        for r in reqs:
+            ready = r.return_logprob and r.logprob_start_len >= 0 and not r.input_logprobs_sent and bool(r.output_ids)
+            out.append(r.prompt_logprob_entries() if ready else None)
+            r.input_logprobs_sent = r.input_logprobs_sent or ready
+        return out if any(x is not None for x in out) else None
+
     def _collect_outputs(self: "Scheduler") -> list[BatchTokenIDOut]:
         """One BatchTokenIDOut with every finished or streaming request's new tokens (none if idle)."""
         reqs = [r for r in self._touched.values() if r.finished or r.stream]
@@ -164,6 +178,14 @@ class SchedulerOutputProcessorMixin:
                 if any(r.return_logprob for r in reqs)
                 else None
             ),
+            output_top_logprobs=(
+                [r.output_top_logprobs[r.sent_len :] if r.top_logprobs_num else None for r in reqs]
+                if any(r.top_logprobs_num for r in reqs)
+                else None
+            ),
+            input_token_logprobs=self._prompt_logprobs_once(reqs),
+            spec_num_correct_drafts=[r.spec_num_correct_drafts for r in reqs],
+            spec_num_proposed_drafts=[r.spec_num_proposed_drafts for r in reqs],
         )
         for r in reqs:
             r.sent_len = len(r.output_ids)

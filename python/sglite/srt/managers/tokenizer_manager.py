@@ -33,8 +33,10 @@ from sglite.srt.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
     finish_abort,
+    TopLogprobs,
 )
 from sglite.srt.mem_cache.paging import request_kv_slots
+from sglite.srt.managers.template_manager import apply_chat_template_arg
 from sglite.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NEW_TOKENS = 128
 # Threads that tokenize and render chat templates (HF fast tokenizers release the GIL while encoding).
 TOKENIZER_THREADS = 4
+# Most top logprobs per token a request may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestValidationError(ValueError):
@@ -78,6 +82,14 @@ class ReqState:
     spec_verify_ct: int = 0
     spec_cap_length: Optional[float] = None
     output_token_logprobs: Optional[list[float]] = None
+    output_top_logprobs: Optional[list[TopLogprobs]] = None
+    # Prompt logprobs from logprob_start_len: (logprobs, top-k), None entries where there is none.
+    input_token_logprobs: Optional[tuple[list[Optional[float]], list[Optional[TopLogprobs]]]] = None
+    input_ids: list[int] = field(default_factory=list)
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    spec_num_correct_drafts: int = 0
+    spec_num_proposed_drafts: int = 0
     first_token_time: Optional[float] = None
 
     @property
@@ -104,6 +116,7 @@ class TokenizerManager:
 
         self.server_args = server_args
         self.tokenizer = tokenizer
+        apply_chat_template_arg(tokenizer, getattr(server_args, "chat_template", None))
         self.scheduler_info = scheduler_info
         self.context_len = scheduler_info.context_len
         self.vocab_size = scheduler_info.vocab_size
@@ -141,9 +154,29 @@ class TokenizerManager:
             parts = obj.split()
         except ValueError as e:
             raise RequestValidationError(str(e)) from None
-        tokenized = [self.tokenize_one(p, fill_context=fill_context) for p in parts]
+        tokenized = []
+        for part in parts:
+            tokenized.extend(self._fan_out(self.tokenize_one(part, fill_context=fill_context)))
         self._check_rids_free(tokenized)
         return tokenized
+
+    @staticmethod
+    def _fan_out(req: TokenizedGenerateReqInput) -> list[TokenizedGenerateReqInput]:
+        """n > 1: n independent requests ``{rid}-{k}`` of the same prompt (SGLang's parallel sampling).
+
+        A seeded request gives copy k the seed ``seed + k`` so the n choices differ yet reproduce.
+        """
+        n = req.sampling_params.n
+        if n == 1:
+            return [req]
+        seed = req.sampling_params.seed
+        return [
+            dataclasses.replace(
+                req, rid=f"{req.rid}-{k}",
+                sampling_params=dataclasses.replace(req.sampling_params, n=1, seed=None if seed is None else seed + k),
+            )
+            for k in range(n)
+        ]
 
     def _check_rids_free(self, tokenized: list[TokenizedGenerateReqInput]) -> None:
         rids = [t.rid for t in tokenized]
@@ -166,6 +199,17 @@ class TokenizerManager:
             input_ids = self.tokenizer.encode(input_text)
         if not input_ids:
             raise RequestValidationError("the prompt is empty (0 tokens)", "prompt")
+        if not _is_int(obj.logprob_start_len) or obj.logprob_start_len < -1:
+            raise RequestValidationError(f"logprob_start_len must be an integer >= -1, got {obj.logprob_start_len!r}", "logprob_start_len")
+        if obj.return_logprob and obj.logprob_start_len >= len(input_ids):
+            raise RequestValidationError(
+                f"logprob_start_len {obj.logprob_start_len} must be below the prompt length {len(input_ids)} "
+                "(-1: no prompt logprobs)", "logprob_start_len",
+            )
+        if not _is_int(obj.top_logprobs_num) or not 0 <= obj.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise RequestValidationError(
+                f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {obj.top_logprobs_num!r}", "top_logprobs_num"
+            )
         sp_dict = dict(obj.sampling_params or {})  # type: ignore[arg-type]
         try:
             params = SamplingParams.from_dict(sp_dict)
@@ -211,20 +255,25 @@ class TokenizerManager:
             sampling_params=params,
             stream=obj.stream,
             return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
+            return_text_in_logprobs=obj.return_text_in_logprobs,
             bootstrap_host=obj.bootstrap_host,  # type: ignore[arg-type]
             bootstrap_port=obj.bootstrap_port,  # type: ignore[arg-type]
             bootstrap_room=obj.bootstrap_room,  # type: ignore[arg-type]
         )
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], chat_template_kwargs: Optional[dict] = None) -> str:
-        """The prompt text for chat messages, from the tokenizer's own template."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], chat_template_kwargs: Optional[dict] = None, add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for chat messages, from the tokenizer's template (or --chat-template's)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestValidationError(
                 "this model's tokenizer has no chat template; use /v1/completions or /generate", "messages"
             )
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
             )
         except (TypeError, ValueError, KeyError, jinja2.TemplateError) as e:
             raise RequestValidationError(f"could not apply the chat template: {e}", "messages") from None
@@ -280,7 +329,11 @@ class TokenizerManager:
                     self.abort_request(st.rid)
 
     def _send(self, req: TokenizedGenerateReqInput) -> ReqState:
-        state = ReqState(rid=req.rid, prompt_tokens=len(req.input_ids), stream=req.stream, created_time=time.time())
+        state = ReqState(
+            rid=req.rid, prompt_tokens=len(req.input_ids), stream=req.stream, created_time=time.time(),
+            return_text_in_logprobs=req.return_text_in_logprobs, input_ids=req.input_ids,
+            logprob_start_len=req.logprob_start_len,
+        )
         self.rid_to_state[req.rid] = state
         self.send_to_scheduler.send_pyobj(req)
         return state
@@ -317,15 +370,34 @@ class TokenizerManager:
             "e2e_latency": now - st.created_time,
         }
         if st.spec_verify_ct > 0:
+            # SGLang 0.5.23's meanings: the accept length counts the bonus (and the prefill) token, the
+            # accept rate is the strict share of proposed drafts that were accepted.
             meta["spec_verify_ct"] = st.spec_verify_ct
             meta["spec_accept_length"] = st.completion_tokens / st.spec_verify_ct
+            meta["spec_num_correct_drafts"] = st.spec_num_correct_drafts
+            meta["spec_num_proposed_drafts"] = st.spec_num_proposed_drafts
+            if st.spec_num_proposed_drafts:
+                meta["spec_accept_rate"] = st.spec_num_correct_drafts / st.spec_num_proposed_drafts
         if st.spec_cap_length is not None:
             meta["spec_cap_length"] = st.spec_cap_length
         if st.output_token_logprobs is not None:
-            # SGLang's shape: [logprob, token_id, token_text]; text is not requested here, so None.
+            # SGLang's shapes: [logprob, token_id, token_text] (text only with return_text_in_logprobs), and
+            # per output token a list of such entries for its top alternatives.
+            text = self._token_text if st.return_text_in_logprobs else _no_text
             meta["output_token_logprobs"] = [
-                [lp, tid, None] for lp, tid in zip(st.output_token_logprobs, st.output_ids)
+                [lp, tid, text(tid)] for lp, tid in zip(st.output_token_logprobs, st.output_ids)
             ]
+            if st.output_top_logprobs is not None:
+                meta["output_top_logprobs"] = [
+                    [[lp, tid, text(tid)] for tid, lp in zip(ids, lps)] for ids, lps in st.output_top_logprobs
+                ]
+            if st.input_token_logprobs is not None:
+                lps, tops = st.input_token_logprobs
+                prompt_ids = st.input_ids[st.logprob_start_len :]
+                meta["input_token_logprobs"] = [[lp, tid, text(tid)] for lp, tid in zip(lps, prompt_ids)]
+                meta["input_top_logprobs"] = [
+                    None if top is None else [[lp, tid, text(tid)] for tid, lp in zip(*top)] for top in tops
+                ]
         out = {
             "text": st.text,
             "output_ids": list(st.output_ids),
@@ -336,6 +408,9 @@ class TokenizerManager:
         }
         st.delta_text, st.delta_ids = "", []
         return out
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def abort_request(self, rid: str) -> bool:
         """Abort rid: forget it here and tell the scheduler to free its slots (no-op if unknown)."""
@@ -427,6 +502,13 @@ class TokenizerManager:
             st.spec_verify_ct = out.spec_verify_ct[i]
             if out.spec_cap_length is not None and out.spec_cap_length[i] is not None:
                 st.spec_cap_length = out.spec_cap_length[i]
+            if out.spec_num_correct_drafts is not None:
+                st.spec_num_correct_drafts = out.spec_num_correct_drafts[i]
+                st.spec_num_proposed_drafts = out.spec_num_proposed_drafts[i]
+            if out.input_token_logprobs is not None and out.input_token_logprobs[i] is not None:
+                st.input_token_logprobs = out.input_token_logprobs[i]
+            if out.output_top_logprobs is not None and out.output_top_logprobs[i] is not None:
+                st.output_top_logprobs = (st.output_top_logprobs or []) + list(out.output_top_logprobs[i])
             if out.output_token_logprobs is not None and out.output_token_logprobs[i] is not None:
                 st.output_token_logprobs = (st.output_token_logprobs or []) + list(out.output_token_logprobs[i])
             reason = out.finished_reasons[i]
@@ -494,6 +576,14 @@ class TokenizerManager:
             self._handle_task.cancel()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self.context.destroy(linger=0)
+
+
+def _no_text(token_id: int) -> None:
+    return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def scheduler_info_dict(info: SchedulerReady) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from typing import Any, Optional
 
 import torch
 
-from sglite.srt.layers.logits_processor import token_logprobs
 from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -47,11 +46,13 @@ class TpModelWorker(BaseModelWorker):
 
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
         params = batch.sampling_params
-        if any(p.seed is not None for p in params):
+        histories = batch.token_histories()
+        if histories is not None or any(p.seed is not None for p in params):
             # Seeded requests mix their generated-token count into the seed: fresh noise per step,
-            # reproducible whatever shares the batch.
+            # reproducible whatever shares the batch; penalties follow each step's tokens.
             return SamplingBatchInfo.from_sampling_params(
-                params, self.vocab_size, device=self.device, seed_offsets=[len(r.output_ids) for r in batch.reqs]
+                params, self.vocab_size, device=self.device, seed_offsets=[len(r.output_ids) for r in batch.reqs],
+                histories=histories,
             )
         # Unseeded rows depend on nothing but their params: consecutive decode steps over the same
         # requests reuse one SamplingBatchInfo instead of rebuilding its tensors every step.
@@ -69,12 +70,15 @@ class TpModelWorker(BaseModelWorker):
     def _forward_and_sample(self, batch: ScheduleBatch) -> list[list[int]]:
         runner = self.target_runner
         fb = batch.to_forward_batch(runner.token_to_kv_pool, runner.attn_backend)
+        fb.return_extend_logits = batch.needs_extend_logits
         out = runner.forward(fb)
+        if out.extend_logits is not None:
+            batch.record_input_logprobs(out.extend_logits)
         logits = out.next_token_logits
         next_ids = runner.sample(logits, self._sampling_info(batch))
         if batch.return_logprob:
             # The model's own distribution (raw logits, before temperature / top-k / top-p), as vLLM reports it.
-            batch.next_token_logprobs = [[float(x)] for x in token_logprobs(logits, next_ids.view(-1)).tolist()]
+            batch.record_sampled_logprobs(logits, next_ids)
         return [[int(t)] for t in next_ids.tolist()]
 
     @torch.inference_mode()  # as _forward_and_sample: every forward of this worker runs in one mode

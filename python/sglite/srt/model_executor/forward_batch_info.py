@@ -73,6 +73,8 @@ class ForwardBatch:
     attn_backend: Any = None  # AttentionBackend
     capture_aux_hidden_layers: Optional[list[int]] = None
     input_embeds: Optional[torch.Tensor] = None  # [T, hidden]; replaces the embedding lookup
+    # EXTEND only: also return the logits of every new token (prompt logprobs, ``logprob_start_len``).
+    return_extend_logits: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from sglite.srt.sampling.penaltylib import LogitsPenalties, TokenHistory
 from sglite.srt.sampling.sampling_params import SamplingParams
 
 
@@ -31,6 +32,9 @@ class SamplingBatchInfo:
     need_top_p: bool
     need_top_k: bool
     need_min_p: bool
+    # Penalties / logit_bias / min_new_tokens, applied to the logits before anything else; None when no
+    # row asks for them.
+    penalties: Optional[LogitsPenalties] = None
 
     @property
     def batch_size(self) -> int:
@@ -44,10 +48,16 @@ class SamplingBatchInfo:
         vocab_size: int,
         device: Union[str, torch.device] = "cpu",
         seed_offsets: Optional[Sequence[int]] = None,
+        histories: Optional[Sequence[TokenHistory]] = None,
     ) -> "SamplingBatchInfo":
-        """Build from one SamplingParams per row; seeded rows need ``seed_offsets``."""
+        """Build from one SamplingParams per row; seeded rows need ``seed_offsets``, penalized rows ``histories``."""
         if not params:
             raise ValueError("SamplingBatchInfo needs at least one row")
+        penalties = None
+        if any(p.needs_logits_processing for p in params):
+            if histories is None:
+                raise ValueError("penalties, logit_bias and min_new_tokens need each row's token history")
+            penalties = LogitsPenalties.build(params, histories, vocab_size, device)
         seeds = [p.seed for p in params]
         if any(s is not None for s in seeds) and seed_offsets is None:
             raise ValueError(
@@ -74,10 +84,21 @@ class SamplingBatchInfo:
             need_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy) if not g),
             need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
             need_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy) if not g),
+            penalties=penalties,
         )
 
-    def repeat_interleave(self, repeats: int) -> "SamplingBatchInfo":
-        """Each row repeated ``repeats`` times (one row per token of a verify block); offsets count up."""
+    def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits after penalties, bias and min_new_tokens (the input itself when no row has any)."""
+        return logits if self.penalties is None else self.penalties.apply(logits)
+
+    def repeat_interleave(self, repeats: int, block_ids: Optional[torch.Tensor] = None) -> "SamplingBatchInfo":
+        """Each row repeated ``repeats`` times (one row per token of a verify block); offsets count up.
+
+        With penalties, ``block_ids`` (the ``[bs, repeats]`` verify block) advances each copy's token
+        history by the drafts before it (``LogitsPenalties.for_block``).
+        """
+        if self.penalties is not None and block_ids is None:
+            raise ValueError("repeating a penalized batch needs the verify block's token ids")
         idx = torch.arange(self.batch_size, device=self.top_ps.device).repeat_interleave(repeats)
         return SamplingBatchInfo(
             temperatures=self.temperatures[idx],
@@ -92,4 +113,5 @@ class SamplingBatchInfo:
             need_top_p=self.need_top_p,
             need_top_k=self.need_top_k,
             need_min_p=self.need_min_p,
+            penalties=None if self.penalties is None else self.penalties.for_block(block_ids),
         )

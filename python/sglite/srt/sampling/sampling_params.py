@@ -13,6 +13,9 @@ MAX_STOP_STRINGS = 64
 # Temperatures below this sample greedily (SGLang's _SAMPLING_EPS in sampling/sampling_params.py; vLLM
 # uses 1e-5): logits / 1e-39 overflow fp32 to inf and the softmax becomes NaN.
 SAMPLING_EPS = 1e-6
+# Largest n (choices per prompt) and |logit_bias| value accepted (OpenAI's limits).
+MAX_N = 128
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingParamsError(ValueError):
@@ -34,6 +37,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     seed: Optional[int] = None
     n: int = 1
+    # Logits processing before sampling (srt/sampling/penaltylib.py), SGLang's names and ranges.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string, OpenAI's JSON keys) -> bias
 
     @classmethod
     def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
@@ -77,9 +86,30 @@ class SamplingParams:
                 raise bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
-        if not _is_int(self.n) or self.n != 1:
-            raise bad("n", f"only n=1 is supported, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2.0 <= v <= 2.0:
+                raise bad(name, f"must be a number in [-2, 2], got {v!r}")
+        if not _is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", f"must be a number in (0, 2], got {self.repetition_penalty!r}")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise bad("min_new_tokens", f"must be an integer in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = _verified_logit_bias(self.logit_bias, vocab_size)
         return self
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Any penalty, bias or minimum length that changes the logits before sampling."""
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_new_tokens > 0
+            or bool(self.logit_bias)
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -93,6 +123,23 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for ZMQ messages and logs)."""
         return asdict(self)
+
+
+def _verified_logit_bias(bias: Any, vocab_size: Optional[int]) -> dict[str, float]:
+    """logit_bias with token-id keys in the vocabulary and values in [-100, 100] (keys as strings)."""
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias must be an object mapping token ids to numbers")
+    out: dict[str, float] = {}
+    for key, value in bias.items():
+        tid = key if _is_int(key) else (int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else None)
+        if tid is None:
+            raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}")
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+            raise SamplingParamsError(f"logit_bias token id {tid} is outside the vocabulary [0, {vocab_size})")
+        if not _is_num(value) or not math.isfinite(value) or abs(value) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key!r}")
+        out[str(tid)] = float(value)
+    return out
 
 
 def _is_int(x: Any) -> bool:

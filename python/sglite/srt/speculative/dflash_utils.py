@@ -39,6 +39,8 @@ def greedy_verify(block_ids: torch.Tensor, target_argmax: torch.Tensor) -> Block
 def verify_probs(logits: torch.Tensor, info: "SamplingBatchInfo", sampler: "Sampler") -> torch.Tensor:
     """Target probabilities [rows, V] of verify rows, filtered exactly as the sampler filters (top-k/p, min-p).
 
+    ``logits`` are already processed (``SamplingBatchInfo.process_logits``: penalties, bias, min tokens).
+
     ``info`` has one row per logits row (``SamplingBatchInfo.repeat_interleave(B)`` of the batch), so
     speculative and plain sampling draw from the same distribution.
     """

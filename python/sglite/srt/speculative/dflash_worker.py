@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from sglite.srt.layers.logits_processor import LogitsProcessorOutput, token_logprobs
+from sglite.srt.layers.logits_processor import LogitsProcessorOutput, logprobs_with_top
 from sglite.srt.layers.sampler import Sampler, mixed_seed
 from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.schedule_batch import ScheduleBatch
@@ -178,13 +178,16 @@ class DFlashWorker(BaseModelWorker):
             self.target_runner.attn_backend,
             capture_aux_hidden_layers=self.capture_layers,
         )
+        fb.return_extend_logits = batch.needs_extend_logits
         self._draft_head_idle()  # DP attention: decode steps elsewhere start with a draft-head exchange
         out = self.target_runner.forward(fb)
+        if out.extend_logits is not None:
+            batch.record_input_logprobs(out.extend_logits)
         self._write_context(out, fb.positions, fb.out_cache_loc)
         info = self._sampling_info(batch)
         next_ids = self.target_runner.sample(out.next_token_logits, info)
         if batch.return_logprob:
-            batch.next_token_logprobs = [[float(x)] for x in token_logprobs(out.next_token_logits, next_ids).tolist()]
+            batch.record_sampled_logprobs(out.next_token_logits, next_ids)
         return [[int(t)] for t in next_ids.tolist()]
 
     @torch.no_grad()
@@ -236,7 +239,7 @@ class DFlashWorker(BaseModelWorker):
         )
         out = committed_tokens(block_ids, result)
         if batch.return_logprob:
-            batch.next_token_logprobs = self._returned_token_logprobs(verify_out.next_token_logits, out, bs, w)
+            self._returned_token_logprobs(batch, verify_out.next_token_logits, out, w)
         return out
 
     def _decode_without_draft(self, batch: ScheduleBatch, slots: torch.Tensor) -> list[list[int]]:
@@ -248,7 +251,7 @@ class DFlashWorker(BaseModelWorker):
         self._write_context(out, fb.positions, slots)
         next_ids = self.target_runner.sample(out.next_token_logits, self._sampling_info(batch))
         if batch.return_logprob:
-            batch.next_token_logprobs = [[float(x)] for x in token_logprobs(out.next_token_logits, next_ids).tolist()]
+            batch.record_sampled_logprobs(out.next_token_logits, next_ids)
         bs = batch.batch_size
         self.last_step = DFlashStepStats(accept_lens=[0] * bs, draft_ids=[[] for _ in range(bs)], verified_drafts=0)
         return [[int(t)] for t in next_ids.tolist()]
@@ -314,19 +317,20 @@ class DFlashWorker(BaseModelWorker):
         self.draft_model.write_context_kv(aux, positions, slots, self.draft_runner.token_to_kv_pool)
 
     @staticmethod
-    def _returned_token_logprobs(
-        verify_logits: torch.Tensor, returned: list[list[int]], bs: int, block: int
-    ) -> list[list[float]]:
-        """Per request, log p of each returned token under the target's verify row that predicted it.
+    def _returned_token_logprobs(batch: ScheduleBatch, verify_logits: torch.Tensor, returned: list[list[int]], block: int) -> None:
+        """Per request, log p (and the top-k) of each returned token under the target's verify row that predicted it.
 
         Returned token j (accepted drafts, then the bonus) is scored by block row j, the target's
         distribution given the block's first j inputs.
         """
+        bs = len(returned)
         ids = torch.zeros(bs, block, dtype=torch.int64)
         for i, toks in enumerate(returned):
             ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
-        lps = token_logprobs(verify_logits.reshape(bs, block, -1), ids).tolist()
-        return [row[: len(toks)] for row, toks in zip(lps, returned)]
+        ks = [r.top_logprobs_num for r in batch.reqs for _ in range(block)]
+        chosen, top = logprobs_with_top(verify_logits.reshape(bs * block, -1), ids.reshape(-1), ks)
+        batch.next_token_logprobs = [chosen[i * block : i * block + len(t)] for i, t in enumerate(returned)]
+        batch.next_token_top_logprobs = [top[i * block : i * block + len(t)] for i, t in enumerate(returned)]
 
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
         return SamplingBatchInfo.from_sampling_params(
@@ -334,17 +338,25 @@ class DFlashWorker(BaseModelWorker):
             self.vocab_size,
             device=self.device,
             seed_offsets=[len(r.output_ids) for r in batch.reqs],
+            histories=batch.token_histories(),
         )
 
     def _verify(self, batch: ScheduleBatch, block_ids: torch.Tensor, logits: torch.Tensor) -> BlockVerifyResult:
-        """Greedy rows: longest matching prefix + argmax bonus; sampled rows: lossless rejection sampling."""
-        result = greedy_verify(block_ids, logits.argmax(dim=-1))
+        """Greedy rows: longest matching prefix + argmax bonus; sampled rows: lossless rejection sampling.
+
+        Both judge the drafts by the processed distribution (penalties, bias, min_new_tokens) that plain
+        decoding would sample from at each block position: row j's penalty state includes drafts 1..j.
+        """
         params = batch.sampling_params
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        bs, block = block_ids.shape
+        info = None
+        if sampled or any(p.needs_logits_processing for p in params):
+            info = self._sampling_info(batch).repeat_interleave(block, block_ids)
+            logits = info.process_logits(logits.reshape(bs * block, -1)).reshape(bs, block, -1)
+        result = greedy_verify(block_ids, logits.argmax(dim=-1))
         if not sampled:
             return result
-        bs, block = block_ids.shape
-        info = self._sampling_info(batch).repeat_interleave(block)
         probs = verify_probs(logits.reshape(bs * block, -1), info, self.sampler).reshape(bs, block, -1)
         for i in sampled:
             seed = params[i].seed

@@ -116,6 +116,8 @@ class _SamplingFields(_Lenient):
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None  # SGLang's min_new_tokens
+    logit_bias: Optional[dict[str, float]] = None  # token id (JSON key) -> bias in [-100, 100]
     user: Optional[str] = None
     return_meta_info: bool = False
     rid: Optional[str] = None
@@ -135,6 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
         "audio": "audio output",
         "prediction": "predicted outputs",
         "web_search_options": "web search",
+        "reasoning_effort": "reasoning options",
     }
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
@@ -196,6 +199,30 @@ GenerateRequest = _model_of_dataclass(
     overrides={"sampling_params": Optional[Union[SamplingParamsRequest, list[SamplingParamsRequest]]]},
     refused=_UNSERVED_EXTENSIONS,
 )
+
+
+class TokenizeRequest(_Lenient):
+    """POST /tokenize and /v1/tokenize: exactly one of ``prompt`` and ``messages`` (SGLang's shape)."""
+
+    model: Optional[str] = None
+    prompt: Optional[Union[str, list[str]]] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Lenient):
+    """POST /detokenize and /v1/detokenize."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+    skip_special_tokens: bool = True
 
 
 class AbortRequest(_Lenient):

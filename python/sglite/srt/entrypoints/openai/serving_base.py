@@ -14,7 +14,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -158,10 +158,9 @@ class OpenAIServingBase(abc.ABC):
     request_model: type[BaseModel]
     prompt_param = "prompt"  # the request field a prompt-length error points at
 
-    def __init__(self, tokenizer_manager: TokenizerManager, served_model_name: str, model_aliases: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer_manager: TokenizerManager, served_model_name: str) -> None:
         self.tm = tokenizer_manager
         self.served_model_name = served_model_name
-        self.model_names = {served_model_name, *model_aliases}
 
     @abc.abstractmethod
     def convert(self, req: Any) -> GenerateReqInput:
@@ -185,11 +184,7 @@ class OpenAIServingBase(abc.ABC):
         req = await read_request_model(request, self.request_model)
         if isinstance(req, Response):
             return req
-        if req.model not in self.model_names:
-            return error_response(
-                f"The model `{req.model}` does not exist; this server serves `{self.served_model_name}`.",
-                param="model",
-            )
+        # Any model name is served, as SGLang's chat and completions do (clients send "default").
         try:
             self.check_unsupported(req)
             obj = await self.prepare(req)
@@ -224,14 +219,7 @@ class OpenAIServingBase(abc.ABC):
         yield sse("[DONE]")
 
     def check_unsupported(self, req: Any) -> None:
-        """Reject options this server does not implement (instead of silently ignoring them)."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            v = getattr(req, name, None)
-            if v is not None and v != 0:
-                raise RequestValidationError(f"{name} is not supported by this server; omit it or send 0", name)
-        rp = getattr(req, "repetition_penalty", None)
-        if rp is not None and rp != 1:
-            raise RequestValidationError("repetition_penalty is not supported by this server; omit it or send 1", "repetition_penalty")
+        """Reject options this server does not implement (instead of silently ignoring them); per endpoint."""
 
     def sampling_params(self, req: Any, max_new_tokens: Optional[int]) -> dict[str, Any]:
         """The SamplingParams dict of an OpenAI request (None values mean 'server default')."""
@@ -247,6 +235,11 @@ class OpenAIServingBase(abc.ABC):
             "skip_special_tokens": req.skip_special_tokens,
             "seed": req.seed,
             "n": req.n,
+            "frequency_penalty": req.frequency_penalty,
+            "presence_penalty": req.presence_penalty,
+            "repetition_penalty": req.repetition_penalty,
+            "min_new_tokens": req.min_tokens,
+            "logit_bias": req.logit_bias,
         }
 
     @staticmethod
@@ -259,10 +252,59 @@ class OpenAIServingBase(abc.ABC):
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
-    def token_logprobs(self, meta: dict[str, Any], start: int = 0) -> list[tuple[str, float]]:
-        """(token text, logprob) of each output token from index ``start`` (empty without logprobs)."""
-        entries = meta.get("output_token_logprobs") or []
-        return [(self.tm.tokenizer.decode([tid]), float(lp)) for lp, tid, _ in entries[start:]]
+    async def full_response(
+        self, req: Any, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput], object_name: str,
+        id_prefix: str, choice: Callable[[dict[str, Any]], dict[str, Any]],
+    ) -> Response:
+        """The non-streaming body: every choice (``choice(output)``, ordered by index), usage, optional meta_info."""
+        finals = sorted([o async for o in self.tm.generate_request(obj, tokenized)], key=lambda o: o["index"])
+        metas = [o["meta_info"] for o in finals]
+        failed = abort_error_response(metas)
+        if failed is not None:
+            return failed
+        body: dict[str, Any] = {
+            "id": self.new_id(id_prefix),
+            "object": object_name,
+            "created": self.now(),
+            "model": self.served_model_name,
+            "choices": [{
+                "index": out["index"], **choice(out),
+                "finish_reason": finish_reason_str(out["meta_info"]["finish_reason"]),
+                "matched_stop": out["meta_info"]["finish_reason"].get("matched"),
+            } for out in finals],
+            "usage": self.total_usage(metas, req.n),
+        }
+        if req.return_meta_info:
+            body["meta_info"] = metas[0] if len(metas) == 1 else metas
+        return JSONResponse(body)
+
+    @staticmethod
+    def meta_usage(meta: dict[str, Any]) -> dict[str, Any]:
+        """The usage object of one request's meta_info."""
+        return OpenAIServingBase.usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"])
+
+    @staticmethod
+    def total_usage(metas: list[dict[str, Any]], n: int) -> dict[str, Any]:
+        """Usage over choices ordered by index, n per prompt: each prompt counted once, every completion."""
+        prompts = metas[::n]
+        return OpenAIServingBase.usage(
+            sum(m["prompt_tokens"] for m in prompts),
+            sum(m["completion_tokens"] for m in metas),
+            sum(m["cached_tokens"] for m in prompts),
+        )
+
+    def token_logprobs(
+        self, meta: dict[str, Any], start: int = 0, key: str = "output"
+    ) -> list[tuple[str, Optional[float], list[tuple[str, float]]]]:
+        """(token text, logprob, [(text, logprob) of its top alternatives]) per output (or ``key="input"``:
+        prompt) token from ``start``; the first prompt token has a None logprob and no alternatives."""
+        entries = meta.get(f"{key}_token_logprobs") or []
+        tops = meta.get(f"{key}_top_logprobs") or [[] for _ in entries]
+        decode = self.tm.tokenizer.decode
+        return [
+            (decode([tid]), None if lp is None else float(lp), [(decode([t]), float(v)) for v, t, _ in top or []])
+            for (lp, tid, _), top in zip(entries[start:], tops[start:])
+        ]
 
     @staticmethod
     def new_id(prefix: str) -> str:
@@ -283,5 +325,5 @@ def finish_reason_str(reason: Optional[dict[str, Any]]) -> Optional[str]:
 
 
 def _openai_param(param: Optional[str]) -> Optional[str]:
-    return {"max_new_tokens": "max_tokens"}.get(param or "", param)
+    return {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "top_logprobs"}.get(param or "", param)
 

@@ -5,13 +5,35 @@ from __future__ import annotations
 import inspect
 from typing import Any, AsyncIterator, Optional
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from sglite.srt.entrypoints.openai.protocol import ChatCompletionRequest
-from sglite.srt.entrypoints.openai.serving_base import OpenAIServingBase, abort_error_response, finish_reason_str, sse
+from sglite.srt.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from sglite.srt.entrypoints.openai.serving_base import OpenAIServingBase, finish_reason_str, sse
 from sglite.srt.entrypoints.openai.template_worker import TemplateRenderError, TemplateWorker
 from sglite.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from sglite.srt.managers.tokenizer_manager import RequestValidationError, TokenizerManager
+
+
+def text_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as a chat template reads them: {role, content[, name]}, multi-part text contents joined."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.content is None or isinstance(m.content, str):
+            content = m.content or ""
+        else:
+            texts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise RequestValidationError(
+                        f"messages[{i}].content: only text parts are supported, got type {part.type!r}", "messages"
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        message = {"role": m.role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
 
 
 class OpenAIServingChat(OpenAIServingBase):
@@ -21,10 +43,10 @@ class OpenAIServingChat(OpenAIServingBase):
     prompt_param = "messages"
 
     def __init__(
-        self, tokenizer_manager: TokenizerManager, served_model_name: str, model_aliases: tuple[str, ...] = (),
+        self, tokenizer_manager: TokenizerManager, served_model_name: str,
         *, template_worker: Optional[TemplateWorker] = None, max_prompt_chars: int = 1 << 20,
     ) -> None:
-        super().__init__(tokenizer_manager, served_model_name, model_aliases)
+        super().__init__(tokenizer_manager, served_model_name)
         # Set only with --trust-request-chat-template: renders client-supplied templates, time-limited.
         self.template_worker = template_worker
         self.max_prompt_chars = max_prompt_chars
@@ -32,13 +54,10 @@ class OpenAIServingChat(OpenAIServingBase):
         self.reserved_template_kwargs = _apply_chat_template_params(tokenizer_manager.tokenizer)
 
     def check_unsupported(self, req: ChatCompletionRequest) -> None:
-        """Also reject top_logprobs, tools, structured output and untrusted or steering template options."""
+        """Also reject top_logprobs without logprobs, tools, structured output and untrusted or steering template options."""
         super().check_unsupported(req)
-        if req.top_logprobs:
-            raise RequestValidationError(
-                "top_logprobs > 0 is not supported by this server; use logprobs=true with top_logprobs 0 or unset",
-                "top_logprobs",
-            )
+        if req.top_logprobs and not req.logprobs:
+            raise RequestValidationError("top_logprobs needs logprobs=true", "top_logprobs")
         if req.tools:
             raise RequestValidationError("tools are not supported by this server", "tools")
         if req.tool_choice not in (None, "none", "auto"):
@@ -65,24 +84,7 @@ class OpenAIServingChat(OpenAIServingBase):
 
     def template_messages(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
         """The messages as the chat template reads them (text content only)."""
-        messages = []
-        for i, m in enumerate(req.messages):
-            if m.content is None or isinstance(m.content, str):
-                content = m.content or ""
-            else:
-                texts = []
-                for part in m.content:
-                    if part.type != "text" or part.text is None:
-                        raise RequestValidationError(
-                            f"messages[{i}].content: only text parts are supported, got type {part.type!r}", "messages"
-                        )
-                    texts.append(part.text)
-                content = "".join(texts)
-            message = {"role": m.role, "content": content}
-            if m.name is not None:
-                message["name"] = m.name
-            messages.append(message)
-        return messages
+        return text_messages(req.messages)
 
     async def prepare(self, req: ChatCompletionRequest) -> GenerateReqInput:
         """Render a client template (trusted servers only) in the time-limited worker, then convert off the loop."""
@@ -113,77 +115,64 @@ class OpenAIServingChat(OpenAIServingBase):
             rid=req.rid,
             stream=req.stream,
             return_logprob=bool(req.logprobs),
+            top_logprobs_num=req.top_logprobs or 0,
             bootstrap_host=req.bootstrap_host,
             bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room,
         )
 
     async def respond_full(self, req: ChatCompletionRequest, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> Response:
-        """One chat.completion object."""
-        final = None
-        async for out in self.tm.generate_request(obj, tokenized):
-            final = out
-        assert final is not None, "generate_request ended without a final output"
-        meta = final["meta_info"]
-        failed = abort_error_response([meta])
-        if failed is not None:
-            return failed
-        body: dict[str, Any] = {
-            "id": self.new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": self.now(),
-            "model": self.served_model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": final["text"]},
-                "logprobs": self.chat_logprobs(meta) if req.logprobs else None,
-                "finish_reason": finish_reason_str(meta["finish_reason"]),
-                "matched_stop": meta["finish_reason"].get("matched"),
-            }],
-            "usage": self.usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]),
-        }
-        if req.return_meta_info:
-            body["meta_info"] = meta
-        return JSONResponse(body)
+        """One chat.completion object with n choices."""
+        return await self.full_response(req, obj, tokenized, "chat.completion", "chatcmpl", lambda out: {
+            "message": {"role": "assistant", "content": out["text"]},
+            "logprobs": self.chat_logprobs(out["meta_info"]) if req.logprobs else None,
+        })
 
     async def stream_chunks(self, req: ChatCompletionRequest, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput]) -> AsyncIterator[str]:
-        """chat.completion.chunk events: role first, then content deltas, then finish (and usage)."""
+        """chat.completion.chunk events per choice: role first, then content deltas, then finish; usage last."""
         cid, created = self.new_id("chatcmpl"), self.now()
+        options = req.stream_options
 
-        def chunk(delta: dict[str, Any], finish: Any = None, logprobs: Any = None, **extra: Any) -> dict[str, Any]:
+        def chunk(index: int, delta: dict[str, Any], finish: Any = None, logprobs: Any = None, **extra: Any) -> dict[str, Any]:
             return {
                 "id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra,
             }
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        yield sse(chunk({"role": "assistant", "content": ""}))
-        meta = None
-        logprobs_sent = 0  # output tokens whose logprobs went out in earlier chunks
+        for index in range(len(tokenized)):
+            yield sse(chunk(index, {"role": "assistant", "content": ""}))
+        metas: dict[int, dict[str, Any]] = {}
+        logprobs_sent: dict[int, int] = {}  # per choice: output tokens whose logprobs went out in earlier chunks
         async for out in self.tm.generate_request(obj, tokenized):
-            meta = out["meta_info"]
+            index, meta = out["index"], out["meta_info"]
+            metas[index] = meta
+            # continuous_usage_stats: every chunk carries this choice's running usage (SGLang / vLLM).
+            extra: dict[str, Any] = {"usage": self.meta_usage(meta)} if options and options.continuous_usage_stats else {}
             if out["delta_text"]:
                 logprobs = None
                 if req.logprobs:
-                    logprobs = self.chat_logprobs(meta, logprobs_sent)
-                    logprobs_sent = len(meta.get("output_token_logprobs") or [])
-                yield sse(chunk({"content": out["delta_text"]}, logprobs=logprobs))
+                    logprobs = self.chat_logprobs(meta, logprobs_sent.get(index, 0))
+                    logprobs_sent[index] = len(meta.get("output_token_logprobs") or [])
+                yield sse(chunk(index, {"content": out["delta_text"]}, logprobs=logprobs, **extra))
             if meta["finish_reason"] is not None:
-                extra = {"meta_info": meta} if req.return_meta_info else {}
-                yield sse(chunk({}, finish_reason_str(meta["finish_reason"]), **extra))
-        if include_usage and meta is not None:
-            usage = self.usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"])
+                if req.return_meta_info:
+                    extra["meta_info"] = meta
+                yield sse(chunk(index, {}, finish_reason_str(meta["finish_reason"]), **extra))
+        if options and options.include_usage and metas:
             yield sse({
                 "id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_model_name,
-                "choices": [], "usage": usage,
+                "choices": [], "usage": self.total_usage([metas[i] for i in sorted(metas)], req.n),
             })
 
     def chat_logprobs(self, meta: dict[str, Any], start: int = 0) -> dict[str, Any]:
         """The chat ``logprobs`` object: one {token, logprob, bytes, top_logprobs} per output token."""
-        return {"content": [
-            {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
-            for tok, lp in self.token_logprobs(meta, start)
-        ]}
+        content = []
+        for tok, lp, top in self.token_logprobs(meta, start):
+            content.append({
+                "token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for t, v in top],
+            })
+        return {"content": content}
 
 
 def _apply_chat_template_params(tokenizer: Any) -> frozenset[str]:
