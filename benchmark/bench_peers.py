@@ -418,7 +418,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 res = run_offline_round(e, job, args.work_dir, args.timeout)
                 if res is not None:
                     results[e].append(res)
-                    with open(os.path.join(args.work_dir, f"offline_{e}_round{r + 1}.json"), "w") as f:
+                    with open(os.path.join(args.work_dir, f"offline_{os.path.basename(model_dir.rstrip('/'))}_{e}_round{r + 1}.json"), "w") as f:
                         json.dump(res, f)
         table = summarize_offline(results, args.batch_sizes)
         report["offline"] = table
