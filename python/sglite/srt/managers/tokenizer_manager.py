@@ -520,9 +520,7 @@ class TokenizerManager:
                     # The detokenizer may have seen the stop string before the scheduler did; an abort
                     # of a request the scheduler already finished is a no-op there.
                     self.send_to_scheduler.send_pyobj(AbortReq(rid=rid, message="stop string"))
-                elif reason.get("type") == "abort":
-                    # An abort from the detokenizer (a fault there) leaves the request running in the
-                    # scheduler: this frees its KV slots (a no-op where the scheduler ended it).
+                elif reason.get("type") == "abort":  # a detokenizer fault: free its KV (no-op if the scheduler ended it)
                     self.send_to_scheduler.send_pyobj(AbortReq(rid=rid, message=str(reason.get("message"))))
                 if self.on_request_finished is not None:
                     self.on_request_finished(st)

@@ -632,6 +632,8 @@ def test_disable_by_batch_size_needs_a_block_draft():
     with pytest.raises(ServerArgsError, match="--speculative-disable-by-batch-size"):
         ServerArgs(model_path="/some/target", speculative_disable_by_batch_size=4).validate()
     ServerArgs(speculative_disable_by_batch_size=4).validate()  # the embedded default pair has a DFLASH draft
+
+
 @pytest.fixture(scope="module")
 def short_context(tmp_path_factory):
     """A tiny target whose rope covers only 64 positions, and a random (untrained) draft."""
