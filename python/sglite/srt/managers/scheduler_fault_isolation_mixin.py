@@ -17,6 +17,7 @@ import torch
 
 from sglite.srt.managers.io_struct import finish_abort
 from sglite.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglite.srt.mem_cache.paging import round_up_to_page
 
 if TYPE_CHECKING:
     from sglite.srt.managers.scheduler import Scheduler
@@ -84,7 +85,7 @@ class SchedulerFaultIsolationMixin:
         """Free the slots a failed forward was given (each request keeps its KV up to kv_len)."""
         for req, n in zip(batch.reqs, batch.extend_lens):
             if req.req_pool_idx is not None:
-                self._free_positions(req, self._round_up(req.kv_len), req.kv_len + n)
+                self._free_positions(req, round_up_to_page(req.kv_len, self.page_size), req.kv_len + n)
 
     def _single_request_batch(self: "Scheduler", batch: ScheduleBatch, req: Req, n: int) -> ScheduleBatch:
         if batch.is_prefill:

@@ -64,7 +64,7 @@ class SchedulerOutputProcessorMixin:
                 kept = self._append_tokens(req, tokens)
                 self._record_logprobs(req, batch, i, kept)
             except Exception as e:  # one request's finish checks (e.g. its stop strings) fail it alone
-                self._free_positions(req, self._round_up(old_kv), old_kv + t)
+                self._free_positions(req, round_up_to_page(old_kv, self.page_size), old_kv + t)
                 self._fail_request(req, e)
                 continue
             if self.worker.is_speculative:
