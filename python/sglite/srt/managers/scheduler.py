@@ -342,32 +342,6 @@ class Scheduler(
                 return batch
         return self._build_prefill_batch(admitted)
 
-    def _build_prefill_batch(self, admitted: list[tuple[Req, int]], may_fail: bool = False) -> Optional[ScheduleBatch]:
-        reqs = [r for r, _ in admitted]
-        prefix = [r.kv_len for r in reqs]
-        seq = [r.kv_len + n for r, n in admitted]
-        loc = self._alloc_extend(reqs, prefix, seq)
-        if loc is None:
-            if may_fail:
-                return None
-            raise RuntimeError("prefill admission promised KV slots that the allocator could not provide")
-        input_ids: list[int] = []
-        offset = 0
-        for (req, n), p in zip(admitted, prefix):
-            input_ids.extend(req.all_token_ids[p : p + n])
-            self.req_to_token_pool.write(req.req_pool_idx, p, loc[offset : offset + n])
-            offset += n
-        return ScheduleBatch(
-            reqs=reqs,
-            is_prefill=True,
-            input_ids=input_ids,
-            prefix_lens=prefix,
-            extend_lens=[n for _, n in admitted],
-            out_cache_loc=loc,
-            req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool_allocator=self.allocator,
-        )
-
     def _run_prefill(self, batch: ScheduleBatch) -> None:
         self.log_prefill_stats(batch)
         self._forward_isolated(batch, self.process_batch_result_prefill)
@@ -400,20 +374,6 @@ class Scheduler(
         self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay)
         self.maybe_log_decode_stats()
         return True
-
-    def _build_decode_batch(self, reqs: list[Req], loc: Any, t: int) -> ScheduleBatch:
-        """A decode batch over ``reqs``, their ``t`` slots each (``loc``) written into req_to_token first."""
-        self._write_decode_slots(reqs, loc, t)
-        return ScheduleBatch(
-            reqs=reqs,
-            is_prefill=False,
-            input_ids=[r.last_token_id for r in reqs],
-            prefix_lens=[r.kv_len for r in reqs],
-            extend_lens=[t] * len(reqs),
-            out_cache_loc=loc,
-            req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool_allocator=self.allocator,
-        )
 
     def handle(self, msg: Any) -> Optional[Any]:
         """Dispatch one incoming message; return a control reply to send back, if any."""

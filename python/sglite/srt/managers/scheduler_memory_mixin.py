@@ -1,5 +1,5 @@
-"""The scheduler's KV slots: allocate a batch's slots (evicting the prefix cache when short), release
-finished requests into the prefix cache, retract a request, and flush the cache.
+"""The scheduler's KV slots: allocate a batch's slots (evicting the prefix cache when short) and build the
+batch over them, release finished requests into the prefix cache, retract a request, flush the cache.
 
 Slot accounting invariant: ``allocator.available_size() + tree_cache.total_size()`` plus the slots
 held by requests in flight equals the allocator's size; with nothing in flight it is the size.
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from sglite.srt.managers.io_struct import FlushCacheReqOutput
-from sglite.srt.managers.schedule_batch import Req
+from sglite.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglite.srt.mem_cache.paging import pages_needed
 
 if TYPE_CHECKING:
@@ -94,6 +94,49 @@ class SchedulerMemoryMixin:
         cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=table.device)[:, None]
         cols = cols + torch.arange(t, dtype=torch.int64, device=table.device)[None, :]
         table[rows[:, None], cols] = loc.view(len(reqs), t).to(table.device, table.dtype)
+
+    def _build_prefill_batch(
+        self: "Scheduler", admitted: list[tuple[Req, int]], may_fail: bool = False
+    ) -> Optional[ScheduleBatch]:
+        """An EXTEND batch of (request, tokens to prefill now), its slots allocated and written into req_to_token."""
+        reqs = [r for r, _ in admitted]
+        prefix = [r.kv_len for r in reqs]
+        seq = [r.kv_len + n for r, n in admitted]
+        loc = self._alloc_extend(reqs, prefix, seq)
+        if loc is None:
+            if may_fail:
+                return None
+            raise RuntimeError("prefill admission promised KV slots that the allocator could not provide")
+        input_ids: list[int] = []
+        offset = 0
+        for (req, n), p in zip(admitted, prefix):
+            input_ids.extend(req.all_token_ids[p : p + n])
+            self.req_to_token_pool.write(req.req_pool_idx, p, loc[offset : offset + n])
+            offset += n
+        return ScheduleBatch(
+            reqs=reqs,
+            is_prefill=True,
+            input_ids=input_ids,
+            prefix_lens=prefix,
+            extend_lens=[n for _, n in admitted],
+            out_cache_loc=loc,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+        )
+
+    def _build_decode_batch(self: "Scheduler", reqs: list[Req], loc: torch.Tensor, t: int) -> ScheduleBatch:
+        """A decode batch over ``reqs``, their ``t`` slots each (``loc``) written into req_to_token first."""
+        self._write_decode_slots(reqs, loc, t)
+        return ScheduleBatch(
+            reqs=reqs,
+            is_prefill=False,
+            input_ids=[r.last_token_id for r in reqs],
+            prefix_lens=[r.kv_len for r in reqs],
+            extend_lens=[t] * len(reqs),
+            out_cache_loc=loc,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+        )
 
     def _no_room_message(self: "Scheduler", req: Req) -> str:
         """The abort reason of a request that cannot fit even alone."""

@@ -152,7 +152,6 @@ class DFlashWorker(BaseModelWorker):
             raise ValueError("the draft runner must share the target's slot allocator (slot i = one token in both pools)")
         if draft_runner.req_to_token_pool is not self.req_to_token_pool:
             raise ValueError("the draft runner must share the target's req_to_token pool (one slot row per request)")
-        plan = target_runner.memory_pool_config
         # context_len is the plan's (_init_from_target). A decode step writes the verify width W past the K/V
         # length, inside the W - 1 extra req_to_token columns the plan reserved; block rows past the limit
         # are scratch (never committed), so the limit is not widened by W.
