@@ -104,8 +104,10 @@ class LogitsPenalties:
         out = out - self.frequency * self.output_counts - self.presence * (self.output_counts > 0).float()
         if self.logit_bias is not None:
             out = out + self.logit_bias
-        too_short = (self.generated < self.min_new_tokens)[:, None]
-        return out.masked_fill(self.min_tokens_stop & too_short, float("-inf"))
+        mask = self.min_tokens_stop & (self.generated < self.min_new_tokens)[:, None]
+        # A row whose stop ids cover the whole vocabulary keeps them: an all -inf row has no distribution.
+        mask &= ~mask.all(dim=-1, keepdim=True)
+        return out.masked_fill(mask, float("-inf"))
 
     def for_block(self, block_ids: torch.Tensor) -> "LogitsPenalties":
         """Rows ``i * B + j`` for a verify block ``[c, d1 .. d_{B-1}]``: request i after d1..dj were generated."""
