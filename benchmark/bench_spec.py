@@ -1,7 +1,9 @@
-"""DFLASH speed-up on the embedded default pair: sglite with and without the draft, in one run.
+"""DFLASH speed-up on the default pair (SmolLM2-135M-Instruct GGUF + its draft): sglite with and without the draft.
 
-Held-out prompts (the training script's held-out files, via bench_default_acceptance), greedy,
-fixed max_new_tokens. For each concurrency it prints output tok/s without and with DFLASH, the
+Held-out prompts, greedy, fixed max_new_tokens: ``--prompt-set chat`` (default) takes the held-out chat
+prompts of ``scripts/default_draft_prompts.py`` through the model's chat template (via
+bench_default_draft); ``--prompt-set toy`` the toy pair's held-out code/chat prompts (via
+bench_default_acceptance), for ``--model-path python/sglite/assets/default_model``. For each concurrency it prints output tok/s without and with DFLASH, the
 speed-up, the accept length (completion tokens / verify steps, SGLang's definition) and whether the
 speculative outputs equal the plain ones token for token (greedy speculation is lossless).
 
@@ -26,26 +28,35 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _heldout_prompts(model_path: str, num_prompts: int, seed: int) -> list[list[int]]:
-    """The same held-out prompts bench_default_acceptance measures acceptance on."""
-    spec = importlib.util.spec_from_file_location("bench_default_acceptance", os.path.join(HERE, "bench_default_acceptance.py"))
+def _load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_default_acceptance"] = mod  # its dataclasses resolve their module by name
+    sys.modules[name] = mod  # its dataclasses resolve their module by name
     spec.loader.exec_module(mod)
-    from transformers import AutoTokenizer
+    return mod
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+def _heldout_prompts(model_path: str, prompt_set: str, num_prompts: int, seed: int) -> list[list[int]]:
+    """The held-out prompts the acceptance benchmarks measure on (bench_default_draft / bench_default_acceptance)."""
+    from sglite.srt.managers.detokenizer_manager import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    if prompt_set == "chat":
+        return _load_bench("bench_default_draft").heldout_chat_ids(tokenizer, num_prompts)
+    mod = _load_bench("bench_default_acceptance")
     prompts = mod.heldout_prompts(mod.load_training_module(), tokenizer, num_prompts, seed, 16, 48)
     return [p.input_ids for p in prompts]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run plain and DFLASH engines on the same prompts and print the speed-up per concurrency."""
-    from sglite.launch_server import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR
+    from sglite.bench_offline import resolve_model_dir
+    from sglite.srt.default_model import DEFAULT_DRAFT_DIR
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", default=DEFAULT_MODEL_DIR)
+    p.add_argument("--model-path", default=None, help="default: the default model's GGUF")
     p.add_argument("--draft-model-path", default=DEFAULT_DRAFT_DIR)
+    p.add_argument("--prompt-set", default="chat", choices=("chat", "toy"))
     p.add_argument("--speculative-algorithm", default="DFLASH", choices=("DFLASH", "DSPARK"))
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="B; default: the checkpoint's")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -58,17 +69,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dspark-cap-thresholds", type=float, nargs="+", default=None,
                    help="Measure DSPARK cap-accept at these thresholds (see the module docstring)")
     args = p.parse_args(argv)
-    for path in (args.model_path, args.draft_model_path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            print(f"bench_spec: no model at {path}; pass --model-path / --draft-model-path", file=sys.stderr)
-            return 2
+    args.model_path = resolve_model_dir(args.model_path, "bench_spec")
+    if not os.path.isfile(os.path.join(args.draft_model_path, "config.json")):
+        print(f"bench_spec: no draft at {args.draft_model_path}; pass --draft-model-path", file=sys.stderr)
+        return 2
     if args.dspark_cap_thresholds:
         return bench_dspark_cap(args)
 
     import sglite
     from sglite.bench_offline import run_engine
 
-    prompts = _heldout_prompts(args.model_path, args.num_prompts, args.seed)
+    prompts = _heldout_prompts(args.model_path, args.prompt_set, args.num_prompts, args.seed)
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
     common = dict(model_path=args.model_path, device=args.device, attention_backend=args.attention_backend,
                   disable_radix_cache=True, log_level="warning")

@@ -97,7 +97,7 @@ def gemm(args: argparse.Namespace) -> None:
 def spec_disable(args: argparse.Namespace) -> None:
     """CPU seconds of plain / DFLASH-with-drafting-disabled / DFLASH schedulers on the same greedy prompts."""
     from sglite.bench_offline import random_prompt_ids
-    from sglite.srt.default_model import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR
+    from sglite.srt.default_model import TOY_DRAFT_DIR, TOY_MODEL_DIR
     from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
     from sglite.srt.managers.scheduler import Scheduler
     from sglite.srt.managers.tp_worker import TpModelWorker
@@ -109,9 +109,9 @@ def spec_disable(args: argparse.Namespace) -> None:
     prompts = random_prompt_ids(args.num_prompts, 64, 4000, 0)
 
     def run(kind: str) -> tuple[float, list]:
-        kw = dict(model_path=DEFAULT_MODEL_DIR, device="cpu", dtype="float32", max_running_requests=64)
+        kw = dict(model_path=TOY_MODEL_DIR, device="cpu", dtype="float32", max_running_requests=64)
         if kind != "plain":
-            kw.update(speculative_algorithm="DFLASH", speculative_draft_model_path=DEFAULT_DRAFT_DIR)
+            kw.update(speculative_algorithm="DFLASH", speculative_draft_model_path=TOY_DRAFT_DIR)
         if kind == "disabled":
             kw["speculative_disable_by_batch_size"] = 1
         sa = ServerArgs(**kw).validate()

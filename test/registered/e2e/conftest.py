@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import httpx
 import pytest
@@ -23,15 +24,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m sglite.launch_server` in a subprocess; output goes to a log file."""
+    """`python -m sglite.launch_server` in a subprocess; output goes to a log file (model_dir None: the default model)."""
 
-    def __init__(self, model_dir: str, log_path: str, *flags: str, api_key: str = API_KEY, timeout_s: float = 180):
+    def __init__(self, model_dir: Optional[str], log_path: str, *flags: str, api_key: str = API_KEY, timeout_s: float = 180):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "sglite.launch_server", "--model-path", model_dir, "--port", str(self.port),
-               *SERVER_FLAGS, *flags]
+        model_flags = ["--model-path", model_dir] if model_dir is not None else []
+        cmd = [sys.executable, "-m", "sglite.launch_server", *model_flags, "--port", str(self.port), *SERVER_FLAGS, *flags]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = open(log_path, "w")

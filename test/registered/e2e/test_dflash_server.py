@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 
-from sglite.srt.default_model import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR
+from sglite.srt.default_model import TOY_DRAFT_DIR, TOY_MODEL_DIR
 from sglite.testing.greedy_margin import assert_clear_greedy_margins
 
 from conftest import ServerProcess
@@ -25,8 +25,8 @@ MAX_TOKENS = 40
 def server(tmp_path_factory):
     log = str(tmp_path_factory.mktemp("dflash_server") / "server.log")
     srv = ServerProcess(
-        DEFAULT_MODEL_DIR, log, "--speculative-algorithm", "DFLASH",
-        "--speculative-draft-model-path", DEFAULT_DRAFT_DIR, api_key=None,
+        TOY_MODEL_DIR, log, "--speculative-algorithm", "DFLASH",
+        "--speculative-draft-model-path", TOY_DRAFT_DIR, api_key=None,
     )
     yield srv
     srv.stop()
@@ -37,8 +37,8 @@ def target_greedy_text():
     """The target alone, greedy, in transformers: what a lossless speculative server must return."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(TOY_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(TOY_MODEL_DIR, dtype=torch.float32).eval()
     ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
@@ -89,8 +89,8 @@ def test_chat_logprobs_are_the_targets_own(server):
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens
     assert resp.model_extra["meta_info"]["spec_accept_length"] > 1.0  # several tokens per verify step
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(TOY_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(TOY_MODEL_DIR, dtype=torch.float32).eval()
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"]
     with torch.no_grad():
         greedy = model.generate(torch.tensor([prompt]), max_new_tokens=len(content), do_sample=False)[0, len(prompt):]
@@ -111,8 +111,8 @@ def test_sampling_options_and_spec_meta_over_http(server):
     from sglite.testing.penalty_reference import hf_processed_greedy
 
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused")
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(TOY_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(TOY_MODEL_DIR, dtype=torch.float32).eval()
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"]
     plain = hf_processed_greedy(model, prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
     bias = {str(plain[3]): -100.0}
@@ -127,7 +127,7 @@ def test_sampling_options_and_spec_meta_over_http(server):
     )
     assert [c.message.content for c in resp.choices] == [tok.decode(ref, skip_special_tokens=True)] * 2
     assert all(len(e.top_logprobs) == 3 for c in resp.choices for e in c.logprobs.content)
-    with open(os.path.join(DEFAULT_DRAFT_DIR, "config.json")) as f:
+    with open(os.path.join(TOY_DRAFT_DIR, "config.json")) as f:
         block = json.load(f)["block_size"]
     for meta in resp.model_extra["meta_info"]:
         verifies = meta["spec_verify_ct"]

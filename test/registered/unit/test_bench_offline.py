@@ -3,7 +3,7 @@
 import pytest
 
 from sglite.bench_offline import random_prompt_ids, resolve_model_dir
-from sglite.srt.default_model import DEFAULT_MODEL_DIR
+from sglite.srt.default_model import default_model_path
 
 SUITE = "unit-cpu"
 EST_TIME = 2
@@ -17,7 +17,7 @@ def test_random_prompt_ids_shape_range_and_seed():
 
 
 def test_resolve_model_dir_defaults_and_exits_naming_the_flag(tmp_path, capsys):
-    assert resolve_model_dir(None, "bench_x") == DEFAULT_MODEL_DIR
+    assert resolve_model_dir(None, "bench_x") == default_model_path()
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_dir(str(tmp_path), "bench_x") == str(tmp_path)
     with pytest.raises(SystemExit) as e:

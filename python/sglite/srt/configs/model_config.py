@@ -177,8 +177,12 @@ class ModelConfig:
     # ---------------------------------------------------------------- loading
     @classmethod
     def from_path(cls, path: str) -> "ModelConfig":
-        """Read a model directory's config.json, or a config.json file itself."""
-        cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        """Read a model directory's config.json, a config.json file itself, or a GGUF file's metadata."""
+        from sglite.srt.configs.gguf import find_gguf_file, gguf_metadata_dir
+
+        gguf_file = find_gguf_file(path)
+        meta_dir = gguf_metadata_dir(gguf_file) if gguf_file else path
+        cfg_file = os.path.join(meta_dir, "config.json") if os.path.isdir(meta_dir) else meta_dir
         if not os.path.isfile(cfg_file):
             raise ModelConfigError(f"no config.json at {path!r}")
         with open(cfg_file) as f:

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import sglite
+from sglite.srt.configs.gguf import resolved_load_format
 from sglite.srt.entrypoints.engine import server_info
 from sglite.srt.entrypoints.launcher import LaunchedRuntime, LaunchError, launch_subprocesses
 from sglite.srt.entrypoints.metrics import ServerMetrics
@@ -270,7 +271,7 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": "default",
-            "load_format": "safetensors",
+            "load_format": resolved_load_format(args.model_path, args.load_format),
             "reasoning_parser": None,
             "chat_template": args.chat_template,
             "context_length": tm.context_len,

@@ -14,6 +14,7 @@ import os
 import socket
 from typing import Optional
 
+from sglite.srt.configs.gguf import GGUFError, find_gguf_file
 from sglite.srt.managers.template_manager import load_chat_template
 from sglite.srt.server_args import ServerArgs, ServerArgsError
 
@@ -54,7 +55,7 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
 
 
 def check_model_dir(flag: str, path: Optional[str], *, needs_config: bool = True) -> None:
-    """``path`` is a readable local directory (with a config.json for a model)."""
+    """``path`` is a readable local directory (with a config.json for a model), or a GGUF checkpoint."""
     if path is None:
         return
     if not os.path.exists(path):
@@ -62,6 +63,14 @@ def check_model_dir(flag: str, path: Optional[str], *, needs_config: bool = True
             f"{flag} {path} does not exist; sglite loads local directories only and never downloads from "
             "the Hugging Face Hub (download it first, e.g. `huggingface-cli download <repo> --local-dir <dir>`)"
         )
+    try:
+        gguf_file = find_gguf_file(path) if needs_config else None
+    except GGUFError as e:
+        raise ServerArgsError(f"{flag}: {e}") from None
+    if gguf_file is not None:  # its metadata is the config
+        if not os.access(gguf_file, os.R_OK):
+            raise ServerArgsError(f"{flag} {gguf_file} is not readable by this user; fix its permissions")
+        return
     if not os.path.isdir(path):
         raise ServerArgsError(f"{flag} {path} is not a directory; pass the model's directory")
     if not os.access(path, os.R_OK | os.X_OK):

@@ -247,10 +247,13 @@ def _kept(values: Optional[list[Any]], all_rids: list[str], kept_rids: list[str]
 
 
 def load_tokenizer(path: str) -> Any:
-    """The HF tokenizer at path (fast tokenizer; no network)."""
+    """The HF tokenizer at path, or converted from a GGUF file's metadata (fast tokenizer; no network)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    from sglite.srt.configs.gguf import find_gguf_file, gguf_metadata_dir
+
+    gguf_file = find_gguf_file(path)
+    return AutoTokenizer.from_pretrained(gguf_metadata_dir(gguf_file) if gguf_file else path, local_files_only=True)
 
 
 def run_detokenizer_process(server_args: Any, port_args: PortArgs) -> None:

@@ -8,7 +8,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from sglite.srt.configs.gguf import find_gguf_file
 from sglite.srt.configs.model_config import ModelConfig
+from sglite.srt.model_loader.gguf_weights import iterate_gguf
 from sglite.srt.model_loader.weight_utils import (
     WeightLoadingError,
     describe_missing,
@@ -35,12 +37,17 @@ def load_model(
     dtype: torch.dtype,
     show_progress: bool = True,
 ) -> nn.Module:
-    """Instantiate the class ``config.architectures`` names and load every parameter; errors name tensors."""
+    """Instantiate the class ``config.architectures`` names and load every parameter (safetensors or GGUF)."""
     cls = get_model_class(model_config)
     with _default_dtype(dtype), torch.device(device):
         model = cls(model_config)
     mapping = getattr(model, "stacked_params_mapping", ())
-    loaded = model.load_weights(iterate_safetensors(model_path, show_progress=show_progress))
+    gguf_file = find_gguf_file(model_path)
+    if gguf_file is not None:
+        weights = iterate_gguf(gguf_file, model_config, dtype)
+    else:
+        weights = iterate_safetensors(model_path, show_progress=show_progress)
+    loaded = model.load_weights(weights)
     missing = expected_loads(model, mapping) - loaded
     if missing:
         names = describe_missing(missing, mapping)

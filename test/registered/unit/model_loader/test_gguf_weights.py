@@ -1,0 +1,196 @@
+"""GGUF checkpoints: tiny llama / qwen2 / qwen3 written to GGUF here (F32, Q8_0, Q4_1) load in sglite and
+equal transformers loading the same file (logits, greedy tokens), at TP 1 and TP 2; clear start-up errors."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from sglite.srt.configs.gguf import GGUFError, find_gguf_file, resolved_load_format
+from sglite.srt.configs.model_config import ModelConfig
+from sglite.srt.distributed.local_launch import run_local_ranks
+from sglite.srt.managers.detokenizer_manager import load_tokenizer
+from sglite.srt.model_executor.forward_batch_info import ForwardMode
+from sglite.srt.model_executor.model_runner import ModelRunner
+from sglite.srt.model_loader.gguf_weights import iterate_gguf, unpermute_rope_rows
+from sglite.srt.server_args import ServerArgs, ServerArgsError
+from sglite.testing.fp32_reference import float64_copy, fp32_atol
+from sglite.testing.runner_generate import greedy_generate, hf_greedy
+from sglite.testing.greedy_margin import assert_clear_greedy_margins
+from sglite.testing.tiny_gguf import permute_rope_rows, write_gguf
+from sglite.testing.tiny_models import build_tiny_model
+
+SUITE = "unit-cpu"
+EST_TIME = 90
+
+PROMPTS = [[5, 17, 300, 41, 7, 99, 250], [100, 200, 300], list(range(60, 84)), [42]]
+# transformers' GGUF config mapping for qwen3 ignores attention.key_length and builds head_dim 128,
+# so the qwen3 model is written with head_dim 128 (real Qwen3 checkpoints have it too).
+ARCH_OVERRIDES = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """GGUF metadata folders go to the test's tmp dir, not ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _write(tmp_path, arch: str, quant: str, tokenizer: bool = False) -> str:
+    """A tiny random ``arch`` model as a GGUF folder; returns the folder.
+
+    Without the tokenizer the file has no eos, so greedy runs never stop (nor ban an eos) on either side."""
+    hf_dir, gguf_dir = str(tmp_path / f"{arch}_hf"), str(tmp_path / f"{arch}_{quant}")
+    build_tiny_model(hf_dir, arch, seed=5, eos_token_id=None, num_hidden_layers=2, **ARCH_OVERRIDES[arch])
+    os.makedirs(gguf_dir)
+    write_gguf(hf_dir, os.path.join(gguf_dir, "model.gguf"), quant, tokenizer=tokenizer)
+    return gguf_dir
+
+
+def _hf_from_gguf(gguf_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file="model.gguf", dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def _greedy_reference(hf, prompts, n):
+    out = hf_greedy(hf, prompts, n)
+    # Tokens are compared exactly, which is CPU-independent only without near-ties (see greedy_margin).
+    assert_clear_greedy_margins(hf, prompts, out)
+    return out
+
+
+@pytest.mark.parametrize("quant", ["F32", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@torch.no_grad()
+def test_gguf_matches_transformers_on_the_same_file(arch, quant, tmp_path, rank0):
+    d = _write(tmp_path, arch, quant)
+    hf = _hf_from_gguf(d)
+    args = ServerArgs(model_path=d, device="cpu", cpu_kv_cache_budget_mb=2).validate()
+    runner = ModelRunner(args)
+    assert runner.model_config.architectures == [type(hf).__name__]
+    rows = runner.req_to_token_pool.alloc(len(PROMPTS))
+    out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, PROMPTS)]))
+    runner.req_to_token_pool.free(rows)
+    ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
+    exact = torch.stack([float64_copy(hf)(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
+    torch.testing.assert_close(out.next_token_logits, ref, atol=fp32_atol(ref, exact, floor=1e-4), rtol=0)
+    expected = _greedy_reference(hf, PROMPTS, 16)
+    assert all(len(set(e)) > 3 for e in expected), expected  # a degenerate model would say little
+    assert greedy_generate(runner, PROMPTS, 16) == expected
+
+
+def test_gguf_weights_equal_transformers_dequantization(tmp_path):
+    """Every tensor, after dequantizing and undoing llama's Q/K permutation, is bit-equal to transformers'."""
+    d = _write(tmp_path, "llama", "Q4_1")
+    ours = dict(iterate_gguf(find_gguf_file(d), ModelConfig.from_path(d), torch.float32))
+    theirs = _hf_from_gguf(d).state_dict()
+    assert set(ours) == set(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_rope_permutation_round_trips():
+    w = np.arange(8 * 2 * 3, dtype=np.float32).reshape(16, 3)
+    permuted = permute_rope_rows(w, n_head=2)
+    assert not np.array_equal(permuted, w)
+    assert np.array_equal(permuted[:2], w[[0, 4]])  # head 0: rows x0, y0 interleaved
+    assert np.array_equal(unpermute_rope_rows(permuted, n_head=2), w)
+
+
+def _tp_rank(rank: int, world_size: int, init_method: str, model_dir: str) -> dict:
+    args = ServerArgs(model_path=model_dir, device="cpu", tp_size=world_size, cpu_kv_cache_budget_mb=2).validate()
+    runner = ModelRunner(args, rank=rank, world_size=world_size, dist_init_method=init_method)
+    rows = runner.req_to_token_pool.alloc(len(PROMPTS))
+    out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, PROMPTS)]))
+    runner.req_to_token_pool.free(rows)
+    return {
+        "local_heads": runner.model.model.layers[0].self_attn.num_heads,
+        "prefill_logits": out.next_token_logits.tolist(),
+        "greedy": greedy_generate(runner, PROMPTS, 16),
+    }
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("arch,quant", [("llama", "Q4_1"), ("qwen3", "Q8_0")])
+@torch.no_grad()
+def test_gguf_tp2_matches_transformers(arch, quant, tmp_path):
+    torch.set_num_threads(1)
+    d = _write(tmp_path, arch, quant)
+    hf = _hf_from_gguf(d)
+    ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
+    exact = torch.stack([float64_copy(hf)(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
+    expected = _greedy_reference(hf, PROMPTS, 16)
+    for res in run_local_ranks(_tp_rank, 2, d, timeout_s=200):
+        assert res["local_heads"] == 2  # 4 query heads split over 2 ranks, after dequantizing
+        torch.testing.assert_close(
+            torch.tensor(res["prefill_logits"]), ref, atol=fp32_atol(ref, exact, floor=1e-4), rtol=0
+        )
+        assert res["greedy"] == expected
+
+
+def test_gguf_path_forms_and_load_format(tmp_path):
+    d = _write(tmp_path, "qwen2", "F32", tokenizer=True)
+    f = os.path.join(d, "model.gguf")
+    assert find_gguf_file(d) == f and find_gguf_file(f) == f
+    assert resolved_load_format(d) == "gguf"
+    assert ServerArgs(model_path=f, load_format="gguf").validate().model_path == f
+    assert ModelConfig.from_path(f).architectures == ["Qwen2ForCausalLM"]
+    tok = load_tokenizer(f)  # converted from the GGUF's metadata: same ids and chat template as the original
+    assert tok.encode("Hello world!") == AutoTokenizer.from_pretrained(str(tmp_path / "qwen2_hf")).encode("Hello world!")
+    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    with pytest.raises(ServerArgsError, match="--load-format safetensors does not match"):
+        ServerArgs(model_path=d, load_format="safetensors").validate()
+    shutil.copy(f, os.path.join(d, "other.gguf"))
+    with pytest.raises(GGUFError, match="holds 2 GGUF files"):
+        find_gguf_file(d)
+
+
+def test_unknown_architecture_is_a_clear_error(tmp_path):
+    import gguf
+
+    f = str(tmp_path / "m.gguf")
+    w = gguf.GGUFWriter(f, "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match="GGUF architecture 'mamba' is not supported"):
+        ModelConfig.from_path(f)
+
+
+def test_unknown_quant_type_is_a_clear_error(tmp_path, rank0):
+    """A tensor in a quant type the gguf package cannot dequantize (Q8_1) fails at load, naming both."""
+    import gguf
+
+    d = _write(tmp_path, "qwen2", "F32")
+    src = os.path.join(d, "model.gguf")
+    reader = gguf.GGUFReader(src)
+    bad = str(tmp_path / "bad")
+    os.makedirs(bad)
+    out = gguf.GGUFWriter(os.path.join(bad, "model.gguf"), "qwen2")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        out.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name == "blk.0.ffn_down.weight":
+            rows, cols = data.shape
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+            raw = np.zeros((rows, cols // block * size), dtype=np.uint8)
+            out.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+        else:
+            out.add_tensor(t.name, data)
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+    with pytest.raises(GGUFError, match="'blk.0.ffn_down.weight' uses GGUF quant type Q8_1"):
+        ModelRunner(ServerArgs(model_path=bad, device="cpu", cpu_kv_cache_budget_mb=2).validate())

