@@ -144,21 +144,6 @@ class ServerArgs:
     disaggregation_transfer_timeout: float = _opt("Seconds a decode node waits for a room's KV before failing it", 300.0)
 
     # ------------------------------------------------------------------ validation
-    def _validate_load_format(self) -> None:
-        if self.load_format == "auto" or self.model_path is None:
-            return
-        from sglite.srt.configs.gguf import GGUFError, find_gguf_file
-
-        try:
-            is_gguf = find_gguf_file(self.model_path) is not None
-        except GGUFError as e:
-            raise ServerArgsError(f"--model-path: {e}") from None
-        _require(
-            is_gguf == (self.load_format == "gguf"),
-            f"--load-format {self.load_format} does not match --model-path {self.model_path!r}, which "
-            f"{'is' if is_gguf else 'is not'} a GGUF checkpoint",
-        )
-
     def validate(self) -> "ServerArgs":
         """Check every rule that can be checked before a model loads; raise ServerArgsError."""
         _require(self.tp_size >= 1, "--tp-size must be >= 1")
@@ -185,7 +170,6 @@ class ServerArgs:
             f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}",
         )
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "--cpu-threads must be >= 1")
-        self._validate_load_format()
         _require(self.page_size >= 1, "--page-size must be >= 1")
         _require(self.decode_log_interval >= 1, "--decode-log-interval must be >= 1")
         _require(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs must be >= 1 (use --disable-cuda-graph to turn graphs off)")

@@ -27,9 +27,25 @@ def run_preflight(args: ServerArgs) -> None:
     check_model_dir("--model-path", args.model_path)
     check_model_dir("--speculative-draft-model-path", args.speculative_draft_model_path)
     check_model_dir("--tokenizer-path", args.tokenizer_path, needs_config=False)
+    check_load_format(args)
     check_chat_template(args)
     check_context_length(args)
     check_ranks_fit(args)
+
+
+def check_load_format(args: ServerArgs) -> None:
+    """An explicit ``--load-format`` matches what ``--model-path`` is (a GGUF checkpoint or not)."""
+    if args.load_format == "auto" or args.model_path is None:
+        return
+    try:
+        is_gguf = find_gguf_file(args.model_path) is not None
+    except GGUFError as e:
+        raise ServerArgsError(f"--model-path: {e}") from None
+    if is_gguf != (args.load_format == "gguf"):
+        raise ServerArgsError(
+            f"--load-format {args.load_format} does not match --model-path {args.model_path!r}, which "
+            f"{'is' if is_gguf else 'is not'} a GGUF checkpoint"
+        )
 
 
 def check_chat_template(args: ServerArgs) -> None:

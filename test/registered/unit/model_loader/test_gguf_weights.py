@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from sglite.srt.configs.gguf import GGUFError, find_gguf_file, resolved_load_format
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.local_launch import run_local_ranks
+from sglite.srt.entrypoints.preflight import check_load_format, check_model_dir
 from sglite.srt.managers.detokenizer_manager import load_tokenizer
 from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.model_executor.model_runner import ModelRunner
@@ -138,13 +139,14 @@ def test_gguf_path_forms_and_load_format(tmp_path):
     f = os.path.join(d, "model.gguf")
     assert find_gguf_file(d) == f and find_gguf_file(f) == f
     assert resolved_load_format(d) == "gguf"
-    assert ServerArgs(model_path=f, load_format="gguf").validate().model_path == f
+    check_load_format(ServerArgs(model_path=f, load_format="gguf"))
+    check_model_dir("--model-path", f)  # a .gguf file passes the start-up check (its metadata is the config)
     assert ModelConfig.from_path(f).architectures == ["Qwen2ForCausalLM"]
     tok = load_tokenizer(f)  # converted from the GGUF's metadata: same ids and chat template as the original
     assert tok.encode("Hello world!") == AutoTokenizer.from_pretrained(str(tmp_path / "qwen2_hf")).encode("Hello world!")
     assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     with pytest.raises(ServerArgsError, match="--load-format safetensors does not match"):
-        ServerArgs(model_path=d, load_format="safetensors").validate()
+        check_load_format(ServerArgs(model_path=d, load_format="safetensors"))
     shutil.copy(f, os.path.join(d, "other.gguf"))
     with pytest.raises(GGUFError, match="holds 2 GGUF files"):
         find_gguf_file(d)
