@@ -47,6 +47,32 @@ def accept_lengths(outs: list[dict]) -> dict:
     }
 
 
+def transformers_check(model_path: str, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens: int, eos: int) -> dict:
+    """transformers' greedy replies on the same GGUF vs ``outputs``: equal count, and near-ties (margin < 2e-4)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglite.testing.greedy_margin import MIN_GREEDY_MARGIN, greedy_margins
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32
+    ).eval()
+    equal, near_ties, mismatched = 0, 0, []
+    for i, (ids, out) in enumerate(zip(prompts, outputs)):
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos)
+        ref = gen[0, len(ids):].tolist()
+        out = [t for t in out][: len(out) - (len(out) > 0 and out[-1] == eos)]  # compare without the eos
+        ref = ref[: len(ref) - (len(ref) > 0 and ref[-1] == eos)]
+        margin = float(greedy_margins(model, ids, ref).min())
+        near_ties += margin < MIN_GREEDY_MARGIN
+        if ref == list(out):
+            equal += 1
+        else:
+            mismatched.append({"prompt": i, "min_margin": margin})
+    return {"prompts": len(prompts), "equal": equal, "near_tie_prompts": near_ties, "mismatched": mismatched}
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Decode the held-out prompts with and without the draft; print a JSON summary."""
     from sglite.srt.default_model import DEFAULT_DRAFT_DIR, default_model_path
@@ -59,6 +85,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--block-size", type=int, default=None, help="default: the draft's")
     parser.add_argument("--skip-plain", action="store_true", help="skip the lossless check against a plain engine")
+    parser.add_argument("--transformers-prompts", type=int, default=0,
+                        help="also compare the first N greedy outputs with transformers on the same GGUF")
     args = parser.parse_args(argv)
     for key, value in {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(key, value)
@@ -76,6 +104,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     try:
         prompts = heldout_chat_ids(engine.tokenizer, args.num_prompts)
+        eos = engine.tokenizer.eos_token_id
         result["num_prompts"] = len(prompts)
         t0 = time.perf_counter()
         greedy = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": args.max_new_tokens, "temperature": 0})
@@ -98,6 +127,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         finally:
             plain.shutdown()
         result["greedy"]["equal_to_plain_greedy"] = sum(a["output_ids"] == b["output_ids"] for a, b in zip(greedy, ref))
+    if args.transformers_prompts:
+        n = args.transformers_prompts
+        result["greedy_vs_transformers"] = transformers_check(
+            model_path, prompts[:n], [o["output_ids"] for o in greedy[:n]], args.max_new_tokens, eos
+        )
     print(json.dumps(result, indent=2))
 
 

@@ -14,7 +14,7 @@ from sglite.testing.greedy_margin import assert_clear_greedy_margins
 from conftest import ServerProcess
 
 SUITE = "e2e-cpu"
-EST_TIME = 90
+EST_TIME = 120
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Write one sentence about the sea."]
 MAX_TOKENS = 40

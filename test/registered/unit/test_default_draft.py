@@ -14,7 +14,7 @@ from sglite.srt.managers.detokenizer_manager import load_tokenizer
 from sglite.testing.tiny_dflash import draft_block_forward, load_sglite_draft
 
 SUITE = "unit-cpu"
-EST_TIME = 45
+EST_TIME = 60
 
 
 @pytest.fixture(scope="module")
