@@ -391,3 +391,20 @@ def draft_block_forward(model, contexts: list, anchors: list[int], *, pool_size:
     )
     attn.init_forward_metadata(fb)
     return model(fb.input_ids, fb.positions, fb), fb
+
+
+def assert_block_equals_reference(out, ref, hf_target, contexts: list, anchors: list[int], *, logits_atol: float) -> None:
+    """Each request's block of ``out`` (hidden states, logits) equals the ``dflash`` package's draft ``ref``."""
+    block = len(out.hidden_states) // len(contexts)
+    embed = hf_target.get_input_embeddings().weight
+    for i, (f, a) in enumerate(zip(contexts, anchors)):
+        ids = torch.tensor([[a] + [ref.mask_token_id] * (block - 1)])
+        ref_h = ref(
+            position_ids=torch.arange(f.shape[0] + block)[None],
+            noise_embedding=torch.nn.functional.embedding(ids, embed),
+            target_hidden=f[None],
+        )[0]
+        rows = slice(i * block, (i + 1) * block)
+        torch.testing.assert_close(out.hidden_states[rows], ref_h, atol=1e-4, rtol=0)
+        ref_logits = ref.compute_logits(ref_h, hf_target.lm_head)
+        torch.testing.assert_close(out.next_token_logits[rows], ref_logits, atol=logits_atol, rtol=0)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from sglite.srt.default_model import DEFAULT_DRAFT_DIR, default_model_path
 from sglite.srt.managers.detokenizer_manager import load_tokenizer
-from sglite.testing.tiny_dflash import draft_block_forward, load_sglite_draft
+from sglite.testing.tiny_dflash import assert_block_equals_reference, draft_block_forward, load_sglite_draft
 
 SUITE = "unit-cpu"
 EST_TIME = 60
@@ -47,19 +47,9 @@ def test_block_forward_equals_dflash_package(target, one_rank):
 
     ref = DFlashDraftModel.from_pretrained(DEFAULT_DRAFT_DIR, dtype=torch.float32, attn_implementation="sdpa").eval()
     ours = load_sglite_draft(DEFAULT_DRAFT_DIR, target)
-    block, width = ours.block_size, len(ref.target_layer_ids) * target.config.hidden_size
+    width = len(ref.target_layer_ids) * target.config.hidden_size
     g = torch.Generator().manual_seed(0)
     feats = [torch.randn(n, width, generator=g) for n in (9, 4)]
     anchors = [504, 1280]
     out, _ = draft_block_forward(ours, feats, anchors)
-    embed = target.get_input_embeddings().weight
-    for i, (f, a) in enumerate(zip(feats, anchors)):
-        ids = torch.tensor([[a] + [ref.mask_token_id] * (block - 1)])
-        ref_h = ref(
-            position_ids=torch.arange(f.shape[0] + block)[None],
-            noise_embedding=torch.nn.functional.embedding(ids, embed),
-            target_hidden=f[None],
-        )[0]
-        torch.testing.assert_close(out.hidden_states[i * block : (i + 1) * block], ref_h, atol=1e-4, rtol=0)
-        ref_logits = ref.compute_logits(ref_h, target.lm_head)
-        torch.testing.assert_close(out.next_token_logits[i * block : (i + 1) * block], ref_logits, atol=2e-4, rtol=0)
+    assert_block_equals_reference(out, ref, target, feats, anchors, logits_atol=2e-4)

@@ -12,6 +12,7 @@ from sglite.srt.model_loader.weight_utils import WeightLoadingError
 from sglite.srt.models.dflash import DFlashDraftModel
 from sglite.testing.tiny_dflash import (
     TinyDraftSpec,
+    assert_block_equals_reference,
     build_tiny_dflash_draft,
     build_tiny_target,
     draft_block_forward,
@@ -54,18 +55,7 @@ def test_block_forward_matches_reference(pair, one_rank, backend):
     anchors = [17, 250]
     out, _ = draft_block_forward(ours, feats, anchors, backend=backend)
     assert out.next_token_logits.shape == (len(feats) * block, 512)
-    embed = target.get_input_embeddings().weight
-    for i, (f, a) in enumerate(zip(feats, anchors)):
-        n = f.shape[0]
-        ids = torch.tensor([[a] + [ref.mask_token_id] * (block - 1)])
-        ref_h = ref(
-            position_ids=torch.arange(n + block)[None],
-            noise_embedding=torch.nn.functional.embedding(ids, embed),
-            target_hidden=f[None],
-        )[0]
-        torch.testing.assert_close(out.hidden_states[i * block : (i + 1) * block], ref_h, atol=1e-4, rtol=0)
-        ref_logits = ref.compute_logits(ref_h, target.lm_head)
-        torch.testing.assert_close(out.next_token_logits[i * block : (i + 1) * block], ref_logits, atol=1e-4, rtol=0)
+    assert_block_equals_reference(out, ref, target, feats, anchors, logits_atol=1e-4)
 
 
 def test_unknown_weight_is_an_error(pair, one_rank):
