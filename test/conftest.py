@@ -18,3 +18,13 @@ _repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _p in (os.path.join(_repo, "python"), _repo):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+# GGUF metadata folders (sglite.srt.configs.gguf) go to a throwaway cache, not the user's ~/.cache;
+# run_suite.py sets one folder for the whole run so files share the conversion, servers inherit it.
+if not os.environ.get("SGLITE_CACHE_DIR"):
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["SGLITE_CACHE_DIR"] = tempfile.mkdtemp(prefix="sglite_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["SGLITE_CACHE_DIR"], True)

@@ -233,6 +233,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     filtered = any(a in ("-k", "-m") or a.startswith(("-k", "-m", "--deselect")) or "::" in a for a in args.pytest_args)
     results = []
+    # One throwaway cache for the run (GGUF metadata folders), shared by every file's process.
+    cache = tempfile.TemporaryDirectory(prefix="sglite_test_cache_")
+    os.environ.setdefault("SGLITE_CACHE_DIR", cache.name)
     for f in selected:
         r = run_file(f, repo_root, args.pytest_args, args.file_timeout)
         if r.status == "no-tests" and filtered:

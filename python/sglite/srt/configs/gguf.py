@@ -60,8 +60,12 @@ def resolved_load_format(model_path: Optional[str], load_format: str = "auto") -
 
 
 def _cache_root() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "sglite", "gguf")
+    # SGLITE_CACHE_DIR lets the test suite (and read-only homes) keep the metadata folders out of ~/.cache.
+    base = os.environ.get("SGLITE_CACHE_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(xdg, "sglite")
+    return os.path.join(base, "gguf")
 
 
 def _cache_key(gguf_file: str) -> str:

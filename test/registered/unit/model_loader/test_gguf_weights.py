@@ -36,7 +36,7 @@ ARCH_OVERRIDES = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}}
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     """GGUF metadata folders go to the test's tmp dir, not ~/.cache."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def _write(tmp_path, arch: str, quant: str, tokenizer: bool = False) -> str:
