@@ -1,0 +1,153 @@
+"""AdaptiveSpeculation: a measured cost model that turns DFLASH/DSPARK drafting off when it does not pay.
+
+A drafted decode step costs a draft block plus a verify of W tokens per request and commits the accept
+length ``L`` (bonus included) tokens per request; a draft-free step costs one target decode and commits
+one. Whether ``L / t_draft`` beats ``1 / t_plain`` depends on the draft's quality on the current traffic,
+the hardware and the batch size, so it is measured rather than predicted: per batch-size bucket (powers
+of two), EMAs of the wall time of each kind of step and of ``L``.
+
+- An unknown bucket measures first: ``warmup_steps`` drafted steps, then as many draft-free ones; each
+  EMA starts at the median of its warm-up samples (the first step of a new shape may be cold).
+- Then it drafts while ``L / t_draft >= (1 + margin) / t_plain``; the margin keeps a draft that is only
+  as fast as plain (more work, same speed) off.
+- The path not taken is still probed, one step every ``interval`` steps: while drafting is off, the only
+  way to notice that it started to pay (a repetitive reply, a lighter batch) is to draft now and then;
+  while it is on, plain timings go stale as contexts grow. A probe that confirms the current choice
+  doubles the interval (bounded by ``max_probe_interval``), so a draft that keeps losing costs ever
+  less; a probe that flips the choice resets it.
+
+Pure Python and deterministic: the same sequence of ``record`` calls gives the same decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdaptiveSpecConfig:
+    """Knobs of the cost model; the defaults suit step times from a millisecond (GPU) to a second (CPU)."""
+
+    ema_alpha: float = 0.25  # weight of the newest step in each EMA
+    warmup_steps: int = 3  # steps of each kind a new bucket measures before it decides
+    margin: float = 0.05  # drafting must beat plain throughput by this fraction
+    probe_interval: int = 8  # steps between probes of the path not taken, after a switch
+    max_probe_interval: int = 128  # the interval doubles while probes keep losing, up to this
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.ema_alpha <= 1.0:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if self.warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
+        if not (math.isfinite(self.margin) and self.margin >= 0.0):
+            raise ValueError(f"margin must be a finite number >= 0, got {self.margin}")
+        if not 1 <= self.probe_interval <= self.max_probe_interval:
+            raise ValueError(
+                f"need 1 <= probe_interval <= max_probe_interval, got {self.probe_interval}, {self.max_probe_interval}"
+            )
+
+
+@dataclass
+class BucketState:
+    """What one batch-size bucket measured and chose."""
+
+    draft_warmup: list[float] = field(default_factory=list)  # drafted step seconds, until warm
+    tokens_warmup: list[float] = field(default_factory=list)  # committed tokens per request, until warm
+    plain_warmup: list[float] = field(default_factory=list)  # draft-free step seconds, until warm
+    t_draft: Optional[float] = None  # EMA seconds of a drafted step
+    tokens: Optional[float] = None  # EMA committed tokens per request per drafted step (bonus included)
+    t_plain: Optional[float] = None  # EMA seconds of a draft-free step
+    drafting: Optional[bool] = None  # the current choice (None until both kinds are warm)
+    since_probe: int = 0  # steps on the chosen path since the last probe or switch
+    interval: int = 0  # steps on the chosen path before the next probe
+
+    def gain(self) -> float:
+        """Drafted over plain throughput (tokens per request per second), from the EMAs."""
+        return self.tokens * self.t_plain / self.t_draft
+
+
+def bucket_of(batch_size: int) -> int:
+    """The smallest power of two >= batch_size (1, 2, 4, 8, ...)."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    return 1 << (batch_size - 1).bit_length()
+
+
+class AdaptiveSpeculation:
+    """Per batch-size bucket: draft or not, from measured step times and accept lengths."""
+
+    def __init__(self, config: Optional[AdaptiveSpecConfig] = None) -> None:
+        self.config = config or AdaptiveSpecConfig()
+        self.buckets: dict[int, BucketState] = {}
+
+    def _bucket(self, batch_size: int) -> BucketState:
+        key = bucket_of(batch_size)
+        if key not in self.buckets:
+            self.buckets[key] = BucketState(interval=self.config.probe_interval)
+        return self.buckets[key]
+
+    def should_draft(self, batch_size: int) -> bool:
+        """Whether the next decode step of batch_size requests should run the draft (no state changes)."""
+        b = self._bucket(batch_size)
+        if b.t_draft is None:  # warm-up: drafted steps first, then draft-free ones
+            return True
+        if b.t_plain is None:
+            return False
+        if b.since_probe >= b.interval:
+            return not b.drafting  # a probe of the path not taken
+        return bool(b.drafting)
+
+    def record(self, batch_size: int, drafted: bool, seconds: float, tokens_per_req: float = 1.0) -> None:
+        """Feed one finished decode step: its kind, wall time and (drafted) mean committed tokens per request."""
+        if not (math.isfinite(seconds) and seconds > 0.0):
+            raise ValueError(f"step seconds must be a finite number > 0, got {seconds}")
+        if drafted and not (math.isfinite(tokens_per_req) and tokens_per_req >= 1.0):
+            raise ValueError(f"a drafted step commits >= 1 token per request, got {tokens_per_req}")
+        key = bucket_of(batch_size)
+        b = self._bucket(batch_size)
+        if drafted:
+            b.t_draft = self._update(b.t_draft, b.draft_warmup, seconds)
+            b.tokens = self._update(b.tokens, b.tokens_warmup, tokens_per_req)
+        else:
+            b.t_plain = self._update(b.t_plain, b.plain_warmup, seconds)
+        if b.t_draft is None or b.t_plain is None:
+            return
+        wins = b.gain() >= 1.0 + self.config.margin
+        if b.drafting is None:  # both kinds just became warm
+            b.drafting = wins
+            self._log_choice(key, b, "measured")
+            return
+        if drafted != b.drafting:  # a probe
+            b.since_probe = 0
+            if wins == b.drafting:  # it lost: probe less often
+                b.interval = min(2 * b.interval, self.config.max_probe_interval)
+                return
+        else:
+            b.since_probe += 1
+            if wins == b.drafting:
+                return
+        b.drafting, b.since_probe, b.interval = wins, 0, self.config.probe_interval
+        self._log_choice(key, b, "switched")
+
+    def _update(self, ema: Optional[float], warmup: list[float], sample: float) -> Optional[float]:
+        """The EMA after one sample; during warm-up, collect and start at the warm-up median."""
+        if ema is not None:
+            a = self.config.ema_alpha
+            return (1.0 - a) * ema + a * sample
+        warmup.append(sample)
+        if len(warmup) < self.config.warmup_steps:
+            return None
+        return float(statistics.median(warmup))
+
+    @staticmethod
+    def _log_choice(key: int, b: BucketState, how: str) -> None:
+        logger.info(
+            "adaptive speculation: batch bucket <= %d %s: drafting %s (accept len %.2f in %.4f s vs 1 in %.4f s: %.2fx)",
+            key, how, "on" if b.drafting else "off", b.tokens, b.t_draft, b.t_plain, b.gain(),
+        )
