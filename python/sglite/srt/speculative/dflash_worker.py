@@ -21,11 +21,15 @@ target decodes ``c`` alone in ``S[0]`` (capturing its features, which still beco
 there, so drafting can resume at any later step with a complete context) and returns one token, as a
 step that accepted no draft would. A verify block costs about W target tokens of compute per request;
 once the batch is large enough that the target's forward is compute-bound, plain decoding is cheaper.
+With ``--speculative-adaptive`` the same draft-free step is chosen by a measured cost model instead
+(``speculative/adaptive.py``: per batch-size bucket, drafted vs plain tokens per second); the batch-size
+cap, when set, still wins.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -37,6 +41,7 @@ from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglite.srt.speculative.adaptive import AdaptiveSpeculation
 from sglite.srt.speculative.dflash_utils import (
     BlockVerifyResult,
     committed_tokens,
@@ -88,6 +93,7 @@ def create_dflash_worker(
         target, draft, random_seed=server_args.random_seed, prefill_only=server_args.disaggregation_mode == "prefill",
         ragged_verify_mode=server_args.ragged_verify_mode, cap_threshold=server_args.ragged_verify_cap_threshold,
         disable_by_batch_size=server_args.speculative_disable_by_batch_size,
+        adaptive=AdaptiveSpeculation() if server_args.speculative_adaptive else None,
     )
 
 
@@ -109,10 +115,13 @@ class DFlashWorker(BaseModelWorker):
         ragged_verify_mode: str = "static",
         cap_threshold: float = 0.5,
         disable_by_batch_size: Optional[int] = None,
+        adaptive: Optional[AdaptiveSpeculation] = None,
     ) -> None:
         self._init_from_target(target_runner)
         # Decode steps of at least this many requests run the target alone (None: always draft).
         self.disable_by_batch_size = disable_by_batch_size
+        # --speculative-adaptive: the measured cost model that picks drafted or draft-free steps (None: always draft).
+        self.adaptive = adaptive
         self.draft_runner = draft_runner
         self.target_model = target_runner.model
         self.draft_model = draft_runner.model
@@ -191,17 +200,31 @@ class DFlashWorker(BaseModelWorker):
 
     @torch.no_grad()
     def forward_decode(self, batch: ScheduleBatch) -> list[list[int]]:
-        """One draft block + one target verify per request; 1..n+1 new tokens each."""
+        """One draft block + one target verify per request (1..n+1 new tokens each), or a draft-free step."""
         if self.prefill_only:
             raise RuntimeError("a PD prefill node (--disaggregation-mode prefill) never decodes; the decode node does")
-        bs, block, width = batch.batch_size, self.block_size, self.num_decode_tokens_per_req
+        bs, width = batch.batch_size, self.num_decode_tokens_per_req
         if any(n != width for n in batch.extend_lens) or batch.out_cache_loc.numel() != bs * width:
             raise ValueError(f"DFLASH decode needs {width} slots per request, the batch has {batch.extend_lens}")
-        rows = batch.req_pool_indices
-        anchors = list(batch.input_ids)
         slots = batch.out_cache_loc.to(self.device, torch.int64).reshape(bs, width)
         if self.disable_by_batch_size is not None and bs >= self.disable_by_batch_size:
-            return self._decode_without_draft(batch, slots[:, 0])
+            return self._decode_without_draft(batch, slots[:, 0])  # the hard cap outranks the cost model
+        if self.adaptive is None:
+            return self._decode_with_draft(batch, slots)
+        drafted = self.adaptive.should_draft(bs)
+        # The whole step, host to host: both paths end in a .tolist() that waits for the device.
+        start = time.perf_counter()
+        out = self._decode_with_draft(batch, slots) if drafted else self._decode_without_draft(batch, slots[:, 0])
+        seconds = time.perf_counter() - start
+        tokens_per_req = 1.0 + sum(self.last_step.accept_lens) / bs if drafted else 1.0
+        self.adaptive.record(bs, drafted, max(seconds, 1e-9), tokens_per_req)
+        return out
+
+    def _decode_with_draft(self, batch: ScheduleBatch, slots: torch.Tensor) -> list[list[int]]:
+        """Draft block, target verify, accept, committed features as draft context K/V; 1..n+1 tokens each."""
+        bs, block = batch.batch_size, self.block_size
+        rows = batch.req_pool_indices
+        anchors = list(batch.input_ids)
 
         # 1. Draft block: [c, MASK x (B-1)] non-causal over context KV in the first B slots (temporary K/V).
         draft_items = [(r, p, [c] + [self.mask_token_id] * (block - 1)) for r, p, c in zip(rows, batch.prefix_lens, anchors)]

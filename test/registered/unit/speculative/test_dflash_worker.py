@@ -626,6 +626,82 @@ def test_disable_by_batch_size_crosses_both_ways_and_stays_lossless(trained):
     assert max(ref_lens) > 1  # the resumed draft is accepted, not just lossless
 
 
+class ScriptedPolicy:
+    """Stands in for AdaptiveSpeculation: a fixed drafted / draft-free pattern, and the steps reported back."""
+
+    def __init__(self, pattern):
+        self.pattern, self.asked, self.records = pattern, 0, []
+
+    def should_draft(self, batch_size):
+        self.asked += 1
+        return self.pattern[(self.asked - 1) % len(self.pattern)]
+
+    def record(self, batch_size, drafted, seconds, tokens_per_req):
+        self.records.append((batch_size, drafted, seconds, tokens_per_req))
+
+
+def test_adaptive_steps_through_both_paths_stay_lossless(trained, caplog):
+    """--speculative-adaptive: whichever path the policy picks, greedy output is the target's, logprobs are the
+    target's own (greedy and sampled rows), the policy hears each step's kind, time and committed tokens, and
+    the server's accept length counts drafted steps only (the "Decode batch." line adds the draft-free share)."""
+    import logging
+    import re
+
+    from sglite.srt.speculative.adaptive import AdaptiveSpeculation
+
+    target_dir, tr, target, _ = trained
+    prompts = [tr.prompts[0], tr.prompts[1], tr.prompts[2]]
+    params = [greedy(24), greedy(24), SamplingParams(max_new_tokens=24, temperature=0.8, seed=7)]
+    ids: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    caplog.set_level(logging.INFO, logger="sglite.srt.managers.scheduler")
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True, decode_log_interval=5) as (sched, worker):
+        assert isinstance(worker.adaptive, AdaptiveSpeculation)
+        policy = worker.adaptive = ScriptedPolicy([True, False, False, True, False])
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            sched.add_request(TokenizedGenerateReqInput(
+                rid=f"a{i}", input_text=None, input_ids=list(p), sampling_params=sp, stream=True, return_logprob=True))
+        while sched.has_work():
+            for msg in sched.step():
+                for j, rid in enumerate(msg.rids):
+                    ids.setdefault(rid, []).extend(msg.output_ids[j])
+                    lps.setdefault(rid, []).extend(msg.output_token_logprobs[j])
+        steps = (sched.spec_drafted_steps, sched.spec_draft_free_steps)
+        verify_total, accepted_total = sched.spec_verify_total, sched.spec_accepted_total
+    for i in (0, 1):
+        assert ids[f"a{i}"] == target_greedy(target, prompts[i], 24)
+    for i, p in enumerate(prompts):
+        out = ids[f"a{i}"]
+        assert len(out) == len(lps[f"a{i}"]) == 24
+        with torch.no_grad():
+            logits = target(torch.tensor([list(p) + out])).logits[0, len(p) - 1 : -1].float()
+        ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(lps[f"a{i}"]), ref, atol=1e-4, rtol=0)
+    drafted = [r for r in policy.records if r[1]]
+    free = [r for r in policy.records if not r[1]]
+    assert len(policy.records) == policy.asked and steps == (len(drafted), len(free)) and drafted and free
+    assert all(s > 0 for _, _, s, _ in policy.records)
+    assert all(t == 1.0 for *_, t in free) and all(t >= 1.0 for *_, t in drafted)
+    assert max(t for *_, t in drafted) > 1.0  # the trained draft is accepted on the drafted steps
+    # Per request, only drafted steps count toward the accept length, which is then > 1.
+    assert verify_total == sum(bs for bs, *_ in drafted) and accepted_total > verify_total
+    decode = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
+    assert decode and all(re.search(r", accept len: \d+\.\d\d, draft-free steps: 3/5, gen throughput", m) for m in decode), decode
+
+
+def test_adaptive_policy_measures_and_stays_lossless(trained):
+    """The real cost model on the toy pair: it warms a bucket up (drafted, then draft-free steps), greedy is exact."""
+    target_dir, tr, target, _ = trained
+    prompts = [tr.prompts[0], tr.prompts[3]]
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True) as (sched, worker):
+        run = generate(sched, prompts, [greedy(30), greedy(30)])
+        buckets = worker.adaptive.buckets
+    for i, p in enumerate(prompts):
+        assert run.ids[f"r{i}"] == target_greedy(target, p, 30)
+    assert buckets and all(b.t_draft is not None for b in buckets.values())
+    assert sched.spec_drafted_steps >= 3 and sched.spec_draft_free_steps >= 1
+
+
 def test_disable_by_batch_size_needs_a_block_draft():
     from sglite.srt.server_args import ServerArgsError
 
