@@ -40,6 +40,16 @@ class ServerMetrics:
         # Speculative decoding (SGLang's accept length = spec_generation_tokens / spec_verify_steps).
         self.spec_verify_steps = Counter("sglite:spec_verify_steps", "Target verify forwards of speculative requests", labels, registry=self.registry)
         self.spec_generation_tokens = Counter("sglite:spec_generation_tokens", "Output tokens of speculative requests", labels, registry=self.registry)
+        # Scheduler totals of speculative decode steps (whole batches) with and without the draft
+        # (--speculative-adaptive, --speculative-disable-by-batch-size), advanced per scrape.
+        self.spec_step_counters = {
+            key: Counter(f"sglite:{key}", help_text, labels, registry=self.registry)
+            for key, help_text in (
+                ("spec_drafted_steps", "Speculative decode steps that ran the draft"),
+                ("spec_draft_free_steps", "Speculative decode steps that decoded with the target alone"),
+            )
+        }
+        self._spec_step_seen: dict[str, int] = {}
         self.tpot = Histogram("sglite:time_per_output_token_seconds", "Mean time per output token after the first", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.gauges = {
             key: Gauge(f"sglite:{key}", help_text, labels, registry=self.registry)
@@ -91,6 +101,12 @@ class ServerMetrics:
             value = internal_state.get(state_key)
             if isinstance(value, (int, float)):
                 g[key].labels(m).set(value)
+        for key, counter in self.spec_step_counters.items():
+            value, seen = internal_state.get(key), self._spec_step_seen.get(key, 0)
+            child = counter.labels(m)  # exported from the first scrape on, 0 until a step counts
+            if isinstance(value, int) and value > seen:
+                child.inc(value - seen)
+                self._spec_step_seen[key] = value
         usage = token_usage(internal_state)
         if usage is not None:
             g["token_usage"].labels(m).set(usage)

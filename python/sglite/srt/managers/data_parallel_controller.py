@@ -98,7 +98,8 @@ def merge_internal_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One internal state for the whole server: totals, plus every group's own state (with dp_rank)."""
     accept = [s["avg_spec_accept_length"] for s in states if s.get("avg_spec_accept_length") is not None]
     merged = dict(states[0])
-    for key in ("available_kv_slots", "num_running_reqs", "num_waiting_reqs", "num_retractions", "last_gen_throughput"):
+    for key in ("available_kv_slots", "num_running_reqs", "num_waiting_reqs", "num_retractions", "last_gen_throughput",
+                "spec_drafted_steps", "spec_draft_free_steps"):
         if all(key in s for s in states):
             merged[key] = sum(s[key] for s in states)
     merged["max_total_num_tokens"] = min(s["max_total_num_tokens"] for s in states)

@@ -24,13 +24,25 @@ class SchedulerMetricsMixin:
         self.num_decode_forwards = 0
         self.num_idle_forwards = 0
         self.num_failed_requests = 0  # requests ended by an internal fault (failure isolation)
+        # Over drafted decode steps only (per request): the draft's accept length, not pulled toward 1 by
+        # draft-free steps (--speculative-adaptive, --speculative-disable-by-batch-size).
         self.spec_verify_total = 0
         self.spec_accepted_total = 0
+        self.spec_drafted_steps = 0  # speculative decode steps (whole batches) that ran the draft
+        self.spec_draft_free_steps = 0  # ... and that decoded with the target alone
         self._gen_tokens_window = 0
         self._gen_window_start = time.monotonic()
         self.last_gen_throughput = 0.0
         # Where the last "Decode batch." line left off (decode steps, spec verifies, accepted tokens).
         self._decode_log_forwards = self._decode_log_verify = self._decode_log_accepted = 0
+        self._decode_log_drafted = self._decode_log_draft_free = 0
+
+    def count_spec_step(self: "Scheduler", drafted: bool) -> None:
+        """Count one speculative decode step as drafted or draft-free."""
+        if drafted:
+            self.spec_drafted_steps += 1
+        else:
+            self.spec_draft_free_steps += 1
 
     # ------------------------------------------------------------------ stats log lines (SGLang's format)
     def _kv_tokens_used(self: "Scheduler") -> int:
@@ -58,6 +70,9 @@ class SchedulerMetricsMixin:
             steps = self.spec_verify_total - self._decode_log_verify
             accepted = self.spec_accepted_total - self._decode_log_accepted
             spec = f"accept len: {accepted / steps if steps else 0.0:.2f}, "
+            free = self.spec_draft_free_steps - self._decode_log_draft_free
+            if free:  # only when the draft was skipped: "draft-free steps: skipped/all"
+                spec += f"draft-free steps: {free}/{free + self.spec_drafted_steps - self._decode_log_drafted}, "
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %sgen throughput (token/s): %.2f, "
             "#queue-req: %d",
@@ -66,6 +81,7 @@ class SchedulerMetricsMixin:
         )
         self._decode_log_forwards = self.num_decode_forwards
         self._decode_log_verify, self._decode_log_accepted = self.spec_verify_total, self.spec_accepted_total
+        self._decode_log_drafted, self._decode_log_draft_free = self.spec_drafted_steps, self.spec_draft_free_steps
 
     def _update_throughput(self: "Scheduler") -> None:
         elapsed = time.monotonic() - self._gen_window_start
@@ -92,6 +108,8 @@ class SchedulerMetricsMixin:
             "num_retractions": self.num_retractions,
             "num_idle_forwards": self.num_idle_forwards,
             "avg_spec_accept_length": avg_accept,
+            "spec_drafted_steps": self.spec_drafted_steps,
+            "spec_draft_free_steps": self.spec_draft_free_steps,
             "last_gen_throughput": self.last_gen_throughput,
             "memory_plan": self.worker.memory_plan(),
         }

@@ -77,14 +77,17 @@ class SchedulerOutputProcessorMixin:
                 req.spec_capped_ct += int(0 < step.verified_drafts < self.worker.num_proposed_drafts)
                 req.spec_num_correct_drafts += len(tokens) - 1  # the worker returns accepted drafts + bonus
                 req.spec_num_proposed_drafts += self.worker.num_proposed_drafts if step.verified_drafts else 0
-                self.spec_verify_total += 1
-                self.spec_accepted_total += kept
+                if step.verified_drafts:  # the server's accept length is the draft's: a draft-free step has none
+                    self.spec_verify_total += 1
+                    self.spec_accepted_total += kept
             req.kv_len = old_kv + kept
             if t > 1:  # one decode slot per request is always kept
                 unkept.append(self._position_slots(req, round_up_to_page(req.kv_len, self.page_size), old_kv + t))
             if req.finished:
                 self.running.remove(req)
                 self._release(req)
+        if self.worker.is_speculative:
+            self.count_spec_step(bool(self.worker.last_step.verified_drafts))
         if unkept:  # speculative steps: one free per step, not one per request (the allocator sorts once)
             self.allocator.free(torch.cat(unkept))
 

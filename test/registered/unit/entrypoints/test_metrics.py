@@ -66,3 +66,18 @@ def test_aborted_requests_are_counted():
     text = body.decode()
     assert 'sglite:num_aborted_requests_total{model_name="tiny"} 2.0' in text
     assert 'sglite:num_requests_total{finish_reason="abort",model_name="tiny"} 2.0' in text
+
+
+def test_drafted_and_draft_free_step_counters_follow_the_scheduler_totals():
+    """The scheduler's step totals become Prometheus counters, advanced by what each scrape adds."""
+    m = ServerMetrics("tiny")
+
+    def counters(state):
+        text = m.render(state, num_waiting_front_end=0)[0].decode()
+        return [float(l.rsplit(" ", 1)[1]) for name in ("spec_drafted_steps", "spec_draft_free_steps")
+                for l in text.splitlines() if l.startswith(f"sglite:{name}_total{{")]
+
+    assert counters({}) == [0.0, 0.0]
+    assert counters({"spec_drafted_steps": 3, "spec_draft_free_steps": 5}) == [3.0, 5.0]
+    assert counters({"spec_drafted_steps": 4, "spec_draft_free_steps": 9}) == [4.0, 9.0]
+    assert counters({"spec_drafted_steps": 4, "spec_draft_free_steps": 9}) == [4.0, 9.0]  # a repeat scrape adds nothing
