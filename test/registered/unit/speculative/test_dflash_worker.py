@@ -532,32 +532,43 @@ def test_retraction_under_kv_pressure_stays_lossless(trained):
     assert decode_tokens / sum(run.verify_ct.values()) > 1.4
 
 
+def generate_with_logprobs(sched, prompts, params, rid_prefix):
+    """Run requests with return_logprob to the end; per-rid output ids and their logprobs."""
+    ids: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        sched.add_request(TokenizedGenerateReqInput(
+            rid=f"{rid_prefix}{i}", input_text=None, input_ids=list(p), sampling_params=sp, stream=True, return_logprob=True))
+    while sched.has_work():
+        for msg in sched.step():
+            for j, rid in enumerate(msg.rids):
+                ids.setdefault(rid, []).extend(msg.output_ids[j])
+                lps.setdefault(rid, []).extend(msg.output_token_logprobs[j])
+    return ids, lps
+
+
+def assert_target_logprobs(target, prompt, out, lps):
+    """lps equal transformers' teacher-forced log-softmax (raw logits) of out after prompt."""
+    with torch.no_grad():
+        logits = target(torch.tensor([list(prompt) + out])).logits[0, len(prompt) - 1 : -1].float()
+    ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(lps), ref, atol=1e-4, rtol=0)
+
+
 def test_logprobs_of_accepted_tokens_equal_the_targets_own(trained):
     """return_logprob on a DFLASH worker: every returned token (accepted drafts and bonus) carries log p under
     the target (raw logits), equal to transformers' teacher-forced log-softmax of the same sequence."""
     target_dir, tr, target, draft = trained
     prompts = [tr.prompts[0], tr.prompts[2]]
     params = [greedy(20), SamplingParams(max_new_tokens=20, temperature=0.8, seed=7)]
-    ids: dict[str, list[int]] = {}
-    lps: dict[str, list[float]] = {}
     with spec_scheduler(target_dir, tr.draft_dir) as (sched, _):
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            sched.add_request(TokenizedGenerateReqInput(
-                rid=f"lp{i}", input_text=None, input_ids=list(p), sampling_params=sp, stream=True, return_logprob=True))
-        while sched.has_work():
-            for msg in sched.step():
-                for j, rid in enumerate(msg.rids):
-                    ids.setdefault(rid, []).extend(msg.output_ids[j])
-                    lps.setdefault(rid, []).extend(msg.output_token_logprobs[j])
+        ids, lps = generate_with_logprobs(sched, prompts, params, "lp")
         verify_ct = sched.spec_verify_total
     assert verify_ct < sum(len(v) for v in ids.values())  # drafts were accepted, so blocks returned several tokens
     for i, p in enumerate(prompts):
         out = ids[f"lp{i}"]
         assert len(out) == 20 and len(lps[f"lp{i}"]) == 20
-        with torch.no_grad():
-            logits = target(torch.tensor([list(p) + out])).logits[0, len(p) - 1 : -1].float()
-        ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(lps[f"lp{i}"]), ref, atol=1e-4, rtol=0)
+        assert_target_logprobs(target, p, out, lps[f"lp{i}"])
 
 
 def test_spec_cap_length_in_meta_info_only_when_blocks_were_trimmed(trained, tmp_path):
@@ -652,20 +663,11 @@ def test_adaptive_steps_through_both_paths_stay_lossless(trained, caplog):
     target_dir, tr, target, _ = trained
     prompts = [tr.prompts[0], tr.prompts[1], tr.prompts[2]]
     params = [greedy(24), greedy(24), SamplingParams(max_new_tokens=24, temperature=0.8, seed=7)]
-    ids: dict[str, list[int]] = {}
-    lps: dict[str, list[float]] = {}
     caplog.set_level(logging.INFO, logger="sglite.srt.managers.scheduler")
     with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True, decode_log_interval=5) as (sched, worker):
         assert isinstance(worker.adaptive, AdaptiveSpeculation)
         policy = worker.adaptive = ScriptedPolicy([True, False, False, True, False])
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            sched.add_request(TokenizedGenerateReqInput(
-                rid=f"a{i}", input_text=None, input_ids=list(p), sampling_params=sp, stream=True, return_logprob=True))
-        while sched.has_work():
-            for msg in sched.step():
-                for j, rid in enumerate(msg.rids):
-                    ids.setdefault(rid, []).extend(msg.output_ids[j])
-                    lps.setdefault(rid, []).extend(msg.output_token_logprobs[j])
+        ids, lps = generate_with_logprobs(sched, prompts, params, "a")
         steps = (sched.spec_drafted_steps, sched.spec_draft_free_steps)
         verify_total, accepted_total = sched.spec_verify_total, sched.spec_accepted_total
     for i in (0, 1):
@@ -673,10 +675,7 @@ def test_adaptive_steps_through_both_paths_stay_lossless(trained, caplog):
     for i, p in enumerate(prompts):
         out = ids[f"a{i}"]
         assert len(out) == len(lps[f"a{i}"]) == 24
-        with torch.no_grad():
-            logits = target(torch.tensor([list(p) + out])).logits[0, len(p) - 1 : -1].float()
-        ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(lps[f"a{i}"]), ref, atol=1e-4, rtol=0)
+        assert_target_logprobs(target, p, out, lps[f"a{i}"])
     drafted = [r for r in policy.records if r[1]]
     free = [r for r in policy.records if not r[1]]
     assert len(policy.records) == policy.asked and steps == (len(drafted), len(free)) and drafted and free
