@@ -29,6 +29,39 @@ SHAPES = {  # (in, out) of qkv, o, gate_up, down, LM head
 }
 
 
+# torch.profiler op names by where their self CPU time goes in a decode step.
+OP_CATEGORIES = {
+    "GEMM": ("mkl::_mkl_linear", "aten::mm", "aten::addmm", "aten::bmm"),
+    "attention (SDPA, K/V gather and write)": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select", "aten::index_copy_",
+        "aten::_index_put_impl_",
+    ),
+    "views and allocations": (
+        "aten::as_strided", "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::slice", "aten::select",
+        "aten::transpose", "aten::permute", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::to",
+        "aten::alias", "aten::expand", "aten::unsqueeze", "aten::detach", "aten::t", "aten::contiguous",
+    ),
+}
+
+
+def print_op_categories(events, profiled_s: float, steps: int) -> None:
+    """Self CPU ms per step by category; what torch ops do not account for is Python (and profiler) time."""
+    per = {k: 0.0 for k in OP_CATEGORIES}
+    per["element-wise (norms, rotary, SiLU, residual, argmax, ...)"] = 0.0
+    for e in events:
+        if not e.key.startswith(("aten::", "mkl::")):
+            continue
+        cat = next((k for k, names in OP_CATEGORIES.items() if e.key in names), None)
+        if cat is None and e.key in ("aten::scaled_dot_product_attention", "aten::linear", "aten::rms_norm",
+                                     "aten::_fused_rms_norm", "aten::matmul"):
+            continue  # wrappers: their self time is dispatch only, counted below as Python/other
+        per[cat or "element-wise (norms, rotary, SiLU, residual, argmax, ...)"] += e.self_cpu_time_total / 1e3
+    total_ms = profiled_s * 1e3
+    per["outside torch ops (Python, wrappers, profiler)"] = total_ms - sum(per.values())
+    for k, v in per.items():
+        print(f"  {k:58s} {v / steps:8.1f} ms/step {100 * v / total_ms:5.1f}%")
+
+
 def step(args: argparse.Namespace) -> None:
     """Median CPU ms per decode step per batch size (optionally with the profiler's top ops)."""
     import sglite.srt.model_executor.model_runner as mr
@@ -64,9 +97,12 @@ def step(args: argparse.Namespace) -> None:
         print(f"bs {bs}: prefill {prefill * 1e3:.1f} ms CPU, decode step {med * 1e3:.1f} ms CPU ({bs / med:.1f} tok/s)")
         if args.profile:
             with torch.profiler.profile() as prof:
+                t0 = time.process_time()
                 for _ in range(3):
                     one()
+                profiled = time.process_time() - t0
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+            print_op_categories(prof.key_averages(), profiled, 3)
         runner.req_to_token_pool.free(rows)
 
 
