@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.layers.utils import check_full_shape
@@ -14,11 +13,16 @@ from sglite.srt.layers.utils import check_full_shape
 def rms_normalize(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x^2, -1) + eps))``: fp32 math, cast back to x's dtype before the weight.
 
-    fp32 tensors take torch's fused ``rms_norm`` (bit-identical to the formula in fp32, a third of the
-    kernel launches); other dtypes the explicit formula, whose rounding order transformers uses.
+    fp32 tensors: the formula with in-place scalar steps, bit-identical to ``F.rms_norm`` (same ops in
+    the same order) but without its CPU composite's two scalar-tensor copies and dtype dispatch; on a
+    30-layer CPU decode step each kernel runs with caches cold from the GEMMs, so fewer is faster
+    (docs/benchmarks.md, "SmolLM2 decode profile (round 3)"). Other dtypes: the explicit formula with
+    upcast, whose rounding order transformers uses.
     """
     if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        scale = torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        out = torch.mul(x, scale)
+        return out if weight is None else out.mul_(weight)
     h = x.to(torch.float32)
     h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return h if weight is None else weight * h
