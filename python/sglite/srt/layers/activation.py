@@ -13,4 +13,4 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the gated SiLU."""
         d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return F.silu(x[..., :d]).mul_(x[..., d:])  # in place into silu's fresh output: one allocation less
