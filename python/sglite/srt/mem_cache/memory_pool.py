@@ -211,8 +211,14 @@ class MHATokenToKVPool(BaseTokenToKVPool):
         """Write K/V rows (``[n, head_num, head_dim]`` or ``[n, head_num*head_dim]``) at slots ``loc``."""
         i = self._index(layer_id)
         n = loc.numel()
-        self.k_buffer[i][loc] = self._store(cache_k.reshape(n, self.head_num, self.head_dim))
-        self.v_buffer[i][loc] = self._store(cache_v.reshape(n, self.head_num, self.v_head_dim))
+        k = self._store(cache_k.reshape(n, self.head_num, self.head_dim))
+        v = self._store(cache_v.reshape(n, self.head_num, self.v_head_dim))
+        if loc.dtype == torch.int64:  # index_copy_ skips advanced indexing's setup (cheaper per layer on CPU)
+            self.k_buffer[i].index_copy_(0, loc.reshape(-1), k)
+            self.v_buffer[i].index_copy_(0, loc.reshape(-1), v)
+        else:
+            self.k_buffer[i][loc] = k
+            self.v_buffer[i][loc] = v
 
 
 class MLATokenToKVPool(BaseTokenToKVPool):
