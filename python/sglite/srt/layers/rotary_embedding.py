@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ class RotaryEmbedding(nn.Module):
         half = rotary_dim // 2
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.register_buffer("cos_signed_sin_cache", torch.stack((cos, signed_sin), dim=1), persistent=False)
+        # Inside ``shared_rows(positions)``: that tensor and its gathered table rows, so the layers of one
+        # forward gather once instead of once each (see ``shared_rows``).
+        self._shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def _compute_inv_freq(self) -> torch.Tensor:
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / self.rotary_dim
@@ -54,7 +58,7 @@ class RotaryEmbedding(nn.Module):
         equals ``x * cos + cat(-x2, x1) * sin`` bit for bit (negation is exact) in four tensor ops.
         """
         t, heads = x.shape[0], x.shape[1]
-        table = self.cos_signed_sin_cache.index_select(0, positions).to(x.dtype)  # [T, 2, rotary_dim]
+        table = self._table_rows(positions, x.dtype)  # [T, 2, rotary_dim]
         cos, signed_sin = table[:, 0:1], table[:, 1:2]  # [T, 1, rotary_dim], broadcast over heads
         rd, half = self.rotary_dim, self.rotary_dim // 2
         rot = x if rd == self.head_size else x[..., :rd]
@@ -64,6 +68,27 @@ class RotaryEmbedding(nn.Module):
         if rd == self.head_size:
             return out
         return torch.cat((out, x[..., rd:]), dim=-1)
+
+    @contextmanager
+    def shared_rows(self, positions: torch.Tensor) -> Iterator[None]:
+        """Within the block, ``rotate_heads(positions, ...)`` reuses one gather of the table for this tensor.
+
+        A model wraps its layer loop in it: every layer passes the same ``positions``, which the forward
+        does not modify. Matching is by tensor identity, so any other positions tensor (a draft's, or
+        another thread's forward on a shared module) just gathers its own rows.
+        """
+        prev = self._shared
+        self._shared = (positions, self.cos_signed_sin_cache.index_select(0, positions))
+        try:
+            yield
+        finally:
+            self._shared = prev
+
+    def _table_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        shared = self._shared  # read once: another thread may swap it
+        if shared is not None and shared[0] is positions:
+            return shared[1].to(dtype)
+        return self.cos_signed_sin_cache.index_select(0, positions).to(dtype)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

@@ -240,10 +240,12 @@ class LlamaModel(nn.Module):
         dp_layout = None
         if exchanges_tokens(self.dp_peers):
             dp_layout = exchange_layout(hidden_states.shape[0], self.dp_peers, hidden_states.device)
-        for i, layer in enumerate(self.layers):
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual, dp_layout)
-            if capture and i in capture:
-                captured[i] = hidden_states + residual  # the layer's output (DFlash target_layer_ids rule)
+        # The layers share one rotary module (get_rope): its cos/sin rows are gathered once per forward.
+        with self.layers[0].self_attn.rotary_emb.shared_rows(positions):
+            for i, layer in enumerate(self.layers):
+                hidden_states, residual = layer(positions, hidden_states, forward_batch, residual, dp_layout)
+                if capture and i in capture:
+                    captured[i] = hidden_states + residual  # the layer's output (DFlash target_layer_ids rule)
         hidden_states, _ = self.norm(hidden_states, residual)
         aux = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return hidden_states, aux
