@@ -115,6 +115,35 @@ def test_rmsnorm_matches_transformers(dtype):
     torch.testing.assert_close(normed, ref(x + res), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shape", [(7, 64), (5, 3, 16)])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_fp32_rms_normalize_is_bit_identical_to_torch_rms_norm(shape, with_weight):
+    """The in-place fp32 formula must not move a bit against F.rms_norm (what it replaced), with and without weight."""
+    from sglite.srt.layers.layernorm import rms_normalize
+
+    x = rand(*shape) * 30  # a spread of magnitudes
+    w = rand(shape[-1], seed=3) if with_weight else None
+    assert torch.equal(rms_normalize(x, 1e-6, w), F.rms_norm(x, (shape[-1],), w, 1e-6))
+
+
+def test_rotary_shared_rows_match_per_layer_gather_and_ignore_other_positions():
+    rope = RotaryEmbedding(16, 16, 256, 10000.0)
+    pos, other = torch.tensor([3, 200, 17]), torch.tensor([3, 200, 17])  # equal values, a different tensor
+    x = rand(3, 5, 16)
+    ref = rope.rotate_heads(pos, x)
+    flipped = pos.flip(0)
+    ref_flipped = rope.rotate_heads(flipped, x)
+    assert not torch.equal(ref_flipped, ref)
+    with rope.shared_rows(pos):
+        assert torch.equal(rope.rotate_heads(pos, x), ref)
+        assert torch.equal(rope.rotate_heads(flipped, x), ref_flipped)  # another tensor: its own rows
+        with rope.shared_rows(other):  # nested scope (e.g. another model on the shared module)
+            assert torch.equal(rope.rotate_heads(other, x), ref)
+            assert torch.equal(rope.rotate_heads(flipped, x), ref_flipped)
+        assert rope._shared[0] is pos  # the outer scope is restored
+    assert rope._shared is None
+
+
 def test_silu_and_mul():
     x = rand(5, 2 * 24)
     torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :24]) * x[:, 24:], rtol=0, atol=0)

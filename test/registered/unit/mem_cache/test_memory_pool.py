@@ -160,3 +160,18 @@ def test_swa_allocator_extend_keeps_page_offsets_in_both_pools():
     assert int(dec[0]) == int(nxt[0]) + 1
     a.free(torch.cat([first, nxt, dec]))
     assert a.full_available_size() == 32 and a.swa_available_size() == 16
+
+
+def test_mha_pool_writes_equal_for_int64_and_int32_slots_and_strided_rows():
+    """int64 slots take index_copy_, others advanced indexing; a strided K (a slice of a fused q/k tensor) is fine."""
+    heads, hd = 2, 8
+    pools = [MHATokenToKVPool(16, 1, torch.float32, heads, hd, hd, 1, "cpu") for _ in range(2)]
+    qk = torch.randn(3, 3 * heads, hd)
+    k = qk[:, heads:2 * heads]  # non-contiguous [3, heads, hd] view
+    v = torch.randn(3, heads * hd)
+    for pool, dtype in zip(pools, (torch.int64, torch.int32)):
+        pool.set_kv_buffer(0, torch.tensor([4, 1, 9], dtype=dtype), k, v)
+    assert torch.equal(pools[0].get_key_buffer(0), pools[1].get_key_buffer(0))
+    assert torch.equal(pools[0].get_value_buffer(0), pools[1].get_value_buffer(0))
+    assert torch.equal(pools[0].get_key_buffer(0)[torch.tensor([4, 1, 9])], k)
+    assert pools[0].get_key_buffer(0)[0].abs().sum() == 0  # untouched slot
