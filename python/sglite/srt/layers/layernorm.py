@@ -13,11 +13,11 @@ from sglite.srt.layers.utils import check_full_shape
 def rms_normalize(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x^2, -1) + eps))``: fp32 math, cast back to x's dtype before the weight.
 
-    fp32 tensors: the formula with in-place scalar steps, bit-identical to ``F.rms_norm`` (same ops in
-    the same order) but without its CPU composite's two scalar-tensor copies and dtype dispatch; on a
-    30-layer CPU decode step each kernel runs with caches cold from the GEMMs, so fewer is faster
-    (docs/benchmarks.md, "SmolLM2 decode profile (round 3)"). Other dtypes: the explicit formula with
-    upcast, whose rounding order transformers uses.
+    fp32 tensors: the formula with in-place scalar steps, bit-identical to ``F.rms_norm`` (its CPU
+    composite runs the same kernels in the same order) with three allocations and two wrapper levels
+    less per call; on a CPU decode step each small op runs with caches cold from the GEMMs, where that
+    overhead shows (docs/benchmarks.md, "SmolLM2 decode profile (round 3)"). Other dtypes: the explicit
+    formula with upcast, whose rounding order transformers uses.
     """
     if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
         scale = torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_()
