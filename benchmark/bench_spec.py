@@ -20,12 +20,14 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 from typing import Optional
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = ("plain", "spec", "adaptive")
 
 
 def _load_bench(name: str):
@@ -59,8 +61,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prompt-set", default="chat", choices=("chat", "toy"))
     p.add_argument("--speculative-algorithm", default="DFLASH", choices=("DFLASH", "DSPARK"))
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="B; default: the checkpoint's")
-    p.add_argument("--speculative-adaptive", action="store_true",
-                   help="Draft only while it pays (the server's --speculative-adaptive; the default server turns it on)")
+    p.add_argument("--variants", nargs="+", default=["plain", "spec"], choices=VARIANTS,
+                   help="plain: no draft; spec: the draft on every step; adaptive: --speculative-adaptive "
+                        "(draft only while it pays, the default server's setting); the first is the baseline")
+    p.add_argument("--rounds", type=int, default=2, help="Interleaved rounds (the order flips every round); medians")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -85,34 +89,40 @@ def main(argv: Optional[list[str]] = None) -> int:
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
     common = dict(model_path=args.model_path, device=args.device, attention_backend=args.attention_backend,
                   disable_radix_cache=True, log_level="warning")
-    results: dict[str, dict[int, object]] = {}
-    for name, extra in (
-        ("plain", {}),
-        ("spec", {"speculative_algorithm": args.speculative_algorithm,
-                  "speculative_draft_model_path": args.draft_model_path,
-                  "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
-                  "speculative_adaptive": args.speculative_adaptive}),
-    ):
-        engine = sglite.Engine(**common, **extra)
-        try:
-            run_engine(engine, prompts[:1], sampling, 1)  # warm-up
-            results[name] = {c: run_engine(engine, prompts, sampling, c) for c in args.concurrency}
-        finally:
-            engine.shutdown()
+    spec_args = {"speculative_algorithm": args.speculative_algorithm,
+                 "speculative_draft_model_path": args.draft_model_path,
+                 "speculative_num_draft_tokens": args.speculative_num_draft_tokens}
+    extras = {"plain": {}, "spec": {**spec_args, "speculative_adaptive": False},
+              "adaptive": {**spec_args, "speculative_adaptive": True}}
+    runs: dict[str, dict[int, list]] = {v: {c: [] for c in args.concurrency} for v in args.variants}
+    for r in range(args.rounds):
+        for name in args.variants if r % 2 == 0 else args.variants[::-1]:
+            engine = sglite.Engine(**common, **extras[name])
+            try:
+                run_engine(engine, prompts[:1], sampling, 1)  # warm-up
+                for c in args.concurrency:
+                    runs[name][c].append(run_engine(engine, prompts, sampling, c))
+            finally:
+                engine.shutdown()
 
+    base_name = args.variants[0]
     print(f"{args.speculative_algorithm} on {args.model_path} + {args.draft_model_path}; device {args.device}; "
-          f"{len(prompts)} held-out prompts, greedy, max_new_tokens {args.max_new_tokens}")
-    print(f"{'conc':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'accept len':>11} {'identical':>10}")
+          f"{len(prompts)} held-out prompts, greedy, max_new_tokens {args.max_new_tokens}; "
+          f"median of {args.rounds} interleaved rounds; baseline {base_name}")
+    print(f"{'conc':>5} {'variant':>9} {'tok/s':>8} {'vs ' + base_name:>10} {'accept len':>11} {'identical':>10}  rounds tok/s")
     rows = []
     for c in args.concurrency:
-        base, spec = results["plain"][c], results["spec"][c]
-        same = sum(a == b for a, b in zip(base.output_ids, spec.output_ids))
-        speedup = spec.output_tok_s / base.output_tok_s
-        print(f"{c:>5} {base.output_tok_s:>12.1f} {spec.output_tok_s:>11.1f} {speedup:>8.2f}x "
-              f"{spec.accept_length or 0:>11.2f} {same:>5}/{len(prompts)}")
-        rows.append({"concurrency": c, "plain_tok_s": base.output_tok_s, "spec_tok_s": spec.output_tok_s,
-                     "speedup": speedup, "accept_length": spec.accept_length, "identical_outputs": same,
-                     "num_prompts": len(prompts)})
+        base = statistics.median(x.output_tok_s for x in runs[base_name][c])
+        for name in args.variants:
+            rs = runs[name][c]
+            tok_s = statistics.median(x.output_tok_s for x in rs)
+            same = min(sum(a == b for a, b in zip(runs[base_name][c][0].output_ids, x.output_ids)) for x in rs)
+            accept = rs[-1].accept_length or 0.0
+            print(f"{c:>5} {name:>9} {tok_s:>8.1f} {tok_s / base:>9.2f}x {accept:>11.2f} {same:>5}/{len(prompts)}  "
+                  + " ".join(f"{x.output_tok_s:.1f}" for x in rs))
+            rows.append({"concurrency": c, "variant": name, "tok_s": tok_s, "vs_baseline": tok_s / base,
+                         "rounds_tok_s": [x.output_tok_s for x in rs], "accept_length": accept,
+                         "identical_outputs": same, "num_prompts": len(prompts)})
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(rows, f, indent=1)

@@ -51,10 +51,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                "sglite Engine": [r["sglite_tok_s"] for r in rows]},
               "output tok/s", "sglite vs transformers (default model, CPU)")
     if args.spec:
-        rows = json.load(open(args.spec))
-        _bars(next(ax_iter), [f"conc {r['concurrency']}\naccept {r['accept_length']:.2f}" for r in rows],
-              {"no draft": [r["plain_tok_s"] for r in rows], "DFLASH": [r["spec_tok_s"] for r in rows]},
-              "output tok/s", "DFLASH speed-up (default pair, held-out prompts, CPU)")
+        rows = json.load(open(args.spec))  # bench_spec: one row per (concurrency, variant)
+        concs = sorted({r["concurrency"] for r in rows})
+        variants = list(dict.fromkeys(r["variant"] for r in rows))
+        tok = {(r["concurrency"], r["variant"]): r["tok_s"] for r in rows}
+        _bars(next(ax_iter), [f"conc {c}" for c in concs], {v: [tok[c, v] for c in concs] for v in variants},
+              "output tok/s", "DFLASH vs no draft (default pair, held-out prompts, CPU)")
     for panel in peer_panels:  # (x key, x label, metric suffix, y label, title) per bench_peers table
         xkey, xlabel, suffix, ylabel, what = {
             "offline": ("batch_size", "batch", "_decode_tok_s", "decode tok/s", "offline decode"),
