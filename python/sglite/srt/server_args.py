@@ -149,6 +149,14 @@ class ServerArgs:
     disaggregation_transfer_timeout: float = _opt("Seconds a decode node waits for a room's KV before failing it", 300.0)
 
     # ------------------------------------------------------------------ validation
+    def one_rank_per_scheduler(self) -> bool:
+        """Whether each scheduler drives a single rank (--tp-size 1, --attn-cp-size 1).
+
+        --speculative-adaptive needs it: every rank would time its own steps and could choose a drafted
+        or draft-free step apart from its peers, whose collectives must match step for step.
+        """
+        return self.tp_size == 1 and self.attn_cp_size == 1
+
     def validate(self) -> "ServerArgs":
         """Check every rule that can be checked before a model loads; raise ServerArgsError."""
         _require(self.tp_size >= 1, "--tp-size must be >= 1")
@@ -212,21 +220,15 @@ class ServerArgs:
                 self.speculative_draft_model_path is None,
                 "--speculative-draft-model-path is set but --speculative-algorithm is not",
             )
+        # No --model-path: the embedded default pair, a DFLASH draft (default_model.resolve_default_model).
+        block_draft = algo in ("DFLASH", "DSPARK") or (algo is None and self.model_path is None)
         if self.speculative_disable_by_batch_size is not None:
             _require(self.speculative_disable_by_batch_size >= 1, "--speculative-disable-by-batch-size must be >= 1")
-            _require(  # no --model-path: the embedded default pair, a DFLASH draft (default_model.resolve_default_model)
-                algo in ("DFLASH", "DSPARK") or (algo is None and self.model_path is None),
-                "--speculative-disable-by-batch-size needs --speculative-algorithm DFLASH or DSPARK",
-            )
+            _require(block_draft, "--speculative-disable-by-batch-size needs --speculative-algorithm DFLASH or DSPARK")
         if self.speculative_adaptive:
-            _require(  # as above: no --model-path is the embedded default pair
-                algo in ("DFLASH", "DSPARK") or (algo is None and self.model_path is None),
-                "--speculative-adaptive needs --speculative-algorithm DFLASH or DSPARK",
-            )
-            # Each rank would time its own steps and could choose differently from its peers, whose
-            # collectives must match step for step.
+            _require(block_draft, "--speculative-adaptive needs --speculative-algorithm DFLASH or DSPARK")
             _require(
-                self.tp_size == 1 and self.attn_cp_size == 1,
+                self.one_rank_per_scheduler(),
                 "--speculative-adaptive needs --tp-size 1 and --attn-cp-size 1 (use --speculative-disable-by-batch-size)",
             )
         if self.speculative_num_draft_tokens is not None:
