@@ -36,6 +36,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-ratio", type=float, default=3.0, help="fail when ITL p99 / p50 exceeds this")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (default: all at once); a finite rate lands prefills between decode steps",
+    )
     args = p.parse_args(argv)
 
     import httpx
@@ -59,13 +65,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             except httpx.HTTPError:
                 time.sleep(1)
         vocab = httpx.get(f"{url}/get_model_info", timeout=5).json().get("vocab_size")
-        print(f"server: {' '.join(cmd[3:])}  env: {args.server_env or '-'}  load avg {os.getloadavg()[0]:.2f}")
+        print(
+            f"server: {' '.join(cmd[3:])}  env: {args.server_env or '-'}  request rate: {args.request_rate}/s  "
+            f"load avg {os.getloadavg()[0]:.2f}"
+        )
         warm = make_random_requests(2, args.input_len, args.output_len, 1.0, vocab or 4096, seed=99)
         asyncio.run(run_benchmark(url, warm, "sglite", "default", None, float("inf"), 99, False))  # first-use costs
         print(f"{'run':>3} {'out tok/s':>10} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'p99/p50':>8}")
         for run in range(args.runs):
             reqs = make_random_requests(args.num_prompts, args.input_len, args.output_len, 1.0, vocab or 4096, seed=run)
-            res = asyncio.run(run_benchmark(url, reqs, "sglite", "default", None, float("inf"), run, False))
+            res = asyncio.run(run_benchmark(url, reqs, "sglite", "default", None, args.request_rate, run, False))
             p50, p99 = res.itl_ms["median"], res.itl_ms["p99"]
             ratio = p99 / p50 if p50 else float("inf")
             worst = max(worst, ratio)

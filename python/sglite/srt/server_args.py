@@ -28,6 +28,9 @@ SCHEDULE_POLICIES = ("lpm", "fcfs")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 RAGGED_VERIFY_MODES = ("static", "cap-accept")  # SGLang's names (its "compact" packs ragged windows)
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
+# A mixed step on CPU costs its decodes plus ~1.5 ms per prefill token (SmolLM2, one core): 64 tokens keep the
+# gap a prompt adds to ~2x a decode step (docs/benchmarks.md, "Serving stalls").
+CPU_MIXED_CHUNK_PREFILL_SIZE = 64
 
 
 class ServerArgsError(ValueError):
@@ -104,7 +107,14 @@ class ServerArgs:
     page_size: int = _opt("Tokens per KV page", 1)
     chunked_prefill_size: int = _opt("Maximum prefill tokens per forward (-1 disables chunking)", 2048)
     schedule_policy: str = _opt("Waiting-queue order: longest prefix match or first come first served", "lpm", SCHEDULE_POLICIES)
-    enable_mixed_chunk: bool = _opt("Run decoding requests inside prefill batches (no speculative decoding)", False)
+    enable_mixed_chunk: Optional[bool] = _opt(
+        "Run decoding requests inside prefill batches (not with speculative decoding), so arriving prompts do not "
+        "stall them. Bare flag = on; 'false' = off. Default: on for CPU, off for CUDA"
+    )
+    mixed_chunk_prefill_size: Optional[int] = _opt(
+        "Prefill tokens a mixed batch carries besides its decoding requests: bounds the inter-token gap a prompt "
+        f"adds. Default: {CPU_MIXED_CHUNK_PREFILL_SIZE} on CPU, --chunked-prefill-size on CUDA"
+    )
     disable_radix_cache: bool = _opt("Disable the radix prefix cache", False)
     attention_backend: Optional[str] = _opt("Attention backend; default: triton on CUDA, torch_native on CPU", None, ATTENTION_BACKENDS)
     disable_cuda_graph: bool = _opt("Disable CUDA graphs (decode, DFLASH verify and draft block run eagerly)", False)
@@ -197,6 +207,10 @@ class ServerArgs:
             self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size,
             "--chunked-prefill-size must be -1 (off) or >= --page-size",
         )
+        _require(
+            self.mixed_chunk_prefill_size is None or self.mixed_chunk_prefill_size >= self.page_size,
+            "--mixed-chunk-prefill-size must be >= --page-size",
+        )
         for flag, value, allowed in (
             ("--dtype", self.dtype, DTYPES),
             ("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES),
@@ -275,6 +289,20 @@ class ServerArgs:
         if self.attention_backend is not None:
             return self.attention_backend
         return "triton" if self.resolved_device() == "cuda" else "torch_native"
+
+    def resolved_enable_mixed_chunk(self) -> bool:
+        """Mixed prefill+decode batches: the flag, else on for CPU (a prompt's prefill spans many decode steps there)."""
+        if self.enable_mixed_chunk is not None:
+            return self.enable_mixed_chunk
+        return self.resolved_device() == "cpu"
+
+    def resolved_mixed_chunk_prefill_size(self) -> Optional[int]:
+        """Prefill tokens per mixed batch: the flag, else a small CPU budget, else the chunk size (None: unbounded)."""
+        if self.mixed_chunk_prefill_size is not None:
+            return self.mixed_chunk_prefill_size
+        if self.resolved_device() == "cpu":
+            return CPU_MIXED_CHUNK_PREFILL_SIZE
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
     def to_dict(self) -> dict[str, Any]:
         """All fields, with the API key masked (for /get_server_info and logs)."""

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sglite.srt.server_args import ServerArgs, ServerArgsError
+from sglite.srt.server_args import CPU_MIXED_CHUNK_PREFILL_SIZE, ServerArgs, ServerArgsError
 
 SUITE = "unit-cpu"
 EST_TIME = 6
@@ -90,6 +90,12 @@ BAD = {
         "--tp-size 1",
     ),
     "adaptive_not_a_bool": (["--speculative-adaptive", "maybe"], "--speculative-adaptive", "true or false"),
+    "mixed_chunk_not_a_bool": (["--enable-mixed-chunk", "sometimes"], "--enable-mixed-chunk", "true or false"),
+    "mixed_chunk_prefill_below_page": (
+        ["--page-size", "16", "--mixed-chunk-prefill-size", "8"],
+        "--mixed-chunk-prefill-size",
+        ">= --page-size",
+    ),
     "page_size_zero": (["--page-size", "0"], "--page-size", ">= 1"),
     "cpu_budget_zero": (["--cpu-kv-cache-budget-mb", "0"], "--cpu-kv-cache-budget-mb", "> 0"),
     "max_total_tokens_zero": (["--max-total-tokens", "0"], "--max-total-tokens", "> 0"),
@@ -198,3 +204,16 @@ def test_launch_server_module_help_and_bad_flag_subprocess():
     assert bad.returncode != 0
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--speculative-draft-model-path" in lines[0], bad.stderr
+
+
+def test_mixed_chunk_defaults_follow_the_device():
+    cpu, cuda = ServerArgs(device="cpu"), ServerArgs(device="cuda")
+    assert cpu.enable_mixed_chunk is None and cpu.resolved_enable_mixed_chunk() is True
+    assert cuda.resolved_enable_mixed_chunk() is False
+    assert cpu.resolved_mixed_chunk_prefill_size() == CPU_MIXED_CHUNK_PREFILL_SIZE
+    assert cuda.resolved_mixed_chunk_prefill_size() == cuda.chunked_prefill_size
+    assert ServerArgs(device="cuda", chunked_prefill_size=-1).resolved_mixed_chunk_prefill_size() is None
+    explicit = ServerArgs.from_cli(["--device", "cpu", "--enable-mixed-chunk", "false", "--mixed-chunk-prefill-size", "256"])
+    assert explicit.resolved_enable_mixed_chunk() is False
+    assert explicit.resolved_mixed_chunk_prefill_size() == 256
+    assert ServerArgs.from_cli(["--device", "cuda", "--enable-mixed-chunk"]).resolved_enable_mixed_chunk() is True

@@ -3,8 +3,9 @@
 One ``step()``:
 1. assemble a prefill batch from the chunked request (if any) and the waiting queue (lpm / fcfs),
    bounded by free KV slots (+ evictable cache), ``max_running_requests`` and the chunk budget;
-2. if there is one, run it (prefill has priority, as in SGLang; with ``--enable-mixed-chunk`` the
-   running requests decode inside it); otherwise run one decode step for every running request,
+2. if there is one, run it (prefill has priority, as in SGLang; with ``--enable-mixed-chunk``, the CPU
+   default, the running requests decode inside it and its prefill share is ``--mixed-chunk-prefill-size``
+   tokens); otherwise run one decode step for every running request,
    retracting requests (a half-prefilled chunk first, then the least advanced decoding request: free
    their KV, requeue them) while the step's slots cannot be found even after evicting the prefix cache;
 3. apply finish conditions token by token, release finished requests, emit a ``BatchTokenIDOut``.
@@ -119,7 +120,9 @@ class Scheduler(
         )
         # Mixed batches put each decoding request's newest token into the prefill EXTEND; a speculative
         # worker needs its own decode forward, so it never mixes.
-        self.enable_mixed_chunk = bool(server_args.enable_mixed_chunk) and not worker.is_speculative
+        self.enable_mixed_chunk = server_args.resolved_enable_mixed_chunk() and not worker.is_speculative
+        # While requests decode, each step's prefill share is small, so a prompt adds a bounded gap per step.
+        self.mixed_chunk_prefill_size = server_args.resolved_mixed_chunk_prefill_size()
 
     def init_memory_pool_and_cache(self) -> None:
         """The worker's pools, the prefix cache over them, and the schedule policy."""
@@ -276,6 +279,9 @@ class Scheduler(
         chunk_budget = self.chunked_prefill_size
         if mix and chunk_budget is not None:
             chunk_budget = max(0, chunk_budget - len(self.running))  # decoding tokens share the forward
+        if mix and self.mixed_chunk_prefill_size is not None:
+            mixed = self.mixed_chunk_prefill_size
+            chunk_budget = mixed if chunk_budget is None else min(chunk_budget, mixed)
         budget = PrefillBudget(
             rem_kv_tokens=0,  # set per offer below: the evictable size moves as prefixes get locked
             rem_chunk_tokens=chunk_budget,

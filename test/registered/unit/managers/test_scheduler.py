@@ -355,6 +355,32 @@ def test_mixed_chunk_decodes_inside_prefill_batches(page_size):
     _assert_no_leak(s)
 
 
+def test_mixed_chunk_prefill_share_is_bounded_while_requests_decode():
+    # The ITL bound: once a request decodes, every forward carries its token, and an arriving prompt adds at
+    # most --mixed-chunk-prefill-size prefill tokens per forward; alone, a prompt prefills with the full chunk.
+    w = FakeModelWorker(vocab_size=VOCAB)
+    s = _sched(w, chunked_prefill_size=64, enable_mixed_chunk=True, mixed_chunk_prefill_size=8)
+    a, b = _prompts(1, seed=3, lo=30, hi=30)[0], _prompts(1, seed=14, lo=40, hi=40)[0]
+    s.add_request(_req("a", a, max_new=12, ignore_eos=True, stream=True))
+    outs = s.step()
+    assert w.batch_sizes == [("prefill", 1)]  # 30 tokens in one forward: nothing was decoding
+    s.add_request(_req("b", b, max_new=6, ignore_eos=True))
+    a_tokens, steps = len(_collect(outs)["a"][0]), 0
+    while s.chunked_req is not None or s.waiting_queue:
+        before = s.allocator.available_size()
+        outs += s.step()
+        steps += 1
+        now = len(_collect(outs)["a"][0])
+        assert now == a_tokens + 1, "a decoding request waited a whole prefill"
+        a_tokens = now
+        assert before - s.allocator.available_size() <= 8 + 1  # b's share plus a's decode slot
+    assert steps == 5  # ceil(40 / 8) mixed forwards
+    res = _collect(outs + s.run_until_idle())
+    assert res["a"][0] == reference_generate(a, 12, VOCAB, ignore_eos=True)
+    assert res["b"][0] == reference_generate(b, 6, VOCAB, ignore_eos=True)
+    _assert_no_leak(s)
+
+
 def test_mixed_chunk_random_workload():
     rng = random.Random(31)
     w = FakeModelWorker(max_total_num_tokens=64, vocab_size=VOCAB, max_running_requests=6)
