@@ -3,8 +3,9 @@
 A drafted decode step costs a draft block plus a verify of W tokens per request and commits the accept
 length ``L`` (bonus included) tokens per request; a draft-free step costs one target decode and commits
 one. Whether ``L / t_draft`` beats ``1 / t_plain`` depends on the draft's quality on the current traffic,
-the hardware and the batch size, so it is measured rather than predicted: per batch-size bucket (powers
-of two), EMAs of the wall time of each kind of step and of ``L``.
+the hardware and the batch size, so it is measured rather than predicted: one EMA of ``L`` (the draft's
+quality on the traffic, which does not depend on how many requests share a step) and, per batch-size
+bucket (powers of two), EMAs of the wall time of each kind of step.
 
 - An unknown bucket measures first: ``warmup_steps`` drafted steps, then as many draft-free ones; each
   EMA starts at the median of its warm-up samples (the first step of a new shape may be cold).
@@ -15,6 +16,17 @@ of two), EMAs of the wall time of each kind of step and of ``L``.
   while it is on, plain timings go stale as contexts grow. A probe that confirms the current choice
   doubles the interval (bounded by ``max_probe_interval``), so a draft that keeps losing costs ever
   less; a probe that flips the choice resets it.
+- A new bucket skips the measuring when a neighbour already settles it. The gain ``L * t_plain / t_draft``
+  does not grow with the batch: ``L`` does not depend on it, and a drafted step's relative cost
+  ``t_draft / t_plain`` only grows (its W - 1 extra verify tokens per request ride along on weight reads
+  at small batches and cost their full compute at large ones, on CPU already from batch 2). So when the
+  nearest decided smaller bucket does not draft, a bigger one starts off; when the nearest decided bigger
+  bucket drafts, a smaller one starts on (not when the two neighbours disagree). Such a bucket takes its
+  neighbour's probe interval (the neighbour's probes have confirmed the choice that often), measures the
+  path it runs, and the other path through its probes only; once both of its EMAs are warm it decides
+  from its own timings like any other bucket. This matters because traffic walks through buckets (8
+  requests finishing one by one visit buckets 8, 4, 2, 1), and each measuring bucket pays
+  ``warmup_steps`` drafted steps, which cost ~3 plain steps each at batch 8 on a CPU.
 
 Pure Python and deterministic: the same sequence of ``record`` calls gives the same decisions.
 """
@@ -58,18 +70,17 @@ class BucketState:
     """What one batch-size bucket measured and chose."""
 
     draft_warmup: list[float] = field(default_factory=list)  # drafted step seconds, until warm
-    tokens_warmup: list[float] = field(default_factory=list)  # committed tokens per request, until warm
     plain_warmup: list[float] = field(default_factory=list)  # draft-free step seconds, until warm
     t_draft: Optional[float] = None  # EMA seconds of a drafted step
-    tokens: Optional[float] = None  # EMA committed tokens per request per drafted step (bonus included)
     t_plain: Optional[float] = None  # EMA seconds of a draft-free step
-    drafting: Optional[bool] = None  # the current choice (None until both kinds are warm)
+    drafting: Optional[bool] = None  # the current choice (None while measuring)
+    inherited_from: Optional[int] = None  # the neighbour bucket whose choice this one started with
     since_probe: int = 0  # steps on the chosen path since the last probe or switch
     interval: int = 0  # steps on the chosen path before the next probe
 
-    def gain(self) -> float:
-        """Drafted over plain throughput (tokens per request per second), from the EMAs."""
-        return self.tokens * self.t_plain / self.t_draft
+    def warm(self) -> bool:
+        """Both step-time EMAs exist (the bucket can judge from its own timings)."""
+        return self.t_draft is not None and self.t_plain is not None
 
 
 def bucket_of(batch_size: int) -> int:
@@ -80,28 +91,51 @@ def bucket_of(batch_size: int) -> int:
 
 
 class AdaptiveSpeculation:
-    """Per batch-size bucket: draft or not, from measured step times and accept lengths."""
+    """Per batch-size bucket: draft or not, from measured step times and the accept length."""
 
     def __init__(self, config: Optional[AdaptiveSpecConfig] = None) -> None:
         self.config = config or AdaptiveSpecConfig()
         self.buckets: dict[int, BucketState] = {}
+        self.tokens: Optional[float] = None  # EMA committed tokens per request per drafted step (bonus included)
+        self._tokens_warmup: list[float] = []
 
     def _bucket(self, batch_size: int) -> BucketState:
         key = bucket_of(batch_size)
         if key not in self.buckets:
-            self.buckets[key] = BucketState(interval=self.config.probe_interval)
+            self.buckets[key] = self._new_bucket(key)
         return self.buckets[key]
 
+    def _new_bucket(self, key: int) -> BucketState:
+        """A measuring bucket, or one that starts with a decided neighbour's choice (see the module docstring)."""
+        decided = {k: b for k, b in self.buckets.items() if b.drafting is not None}
+        lower = max((k for k in decided if k < key), default=None)
+        upper = min((k for k in decided if k > key), default=None)
+        starts_off = lower is not None and decided[lower].drafting is False
+        starts_on = upper is not None and decided[upper].drafting is True
+        if starts_off == starts_on:  # nothing known, or the neighbours disagree (noise): measure
+            return BucketState(interval=self.config.probe_interval)
+        src = lower if starts_off else upper
+        logger.info(
+            "adaptive speculation: batch bucket <= %d starts with drafting %s, like bucket <= %d (the gain does not grow with the batch)",
+            key, "on" if starts_on else "off", src,
+        )
+        return BucketState(drafting=starts_on, inherited_from=src, interval=decided[src].interval)
+
+    def gain(self, batch_size: int) -> float:
+        """Drafted over plain throughput (tokens per request per second) of this batch size's bucket, from the EMAs."""
+        b = self.buckets.get(bucket_of(batch_size))
+        if b is None or not b.warm() or self.tokens is None:
+            raise ValueError(f"bucket {bucket_of(batch_size)} has not measured both kinds of step yet")
+        return self.tokens * b.t_plain / b.t_draft
+
     def should_draft(self, batch_size: int) -> bool:
-        """Whether the next decode step of batch_size requests should run the draft (no state changes)."""
+        """Whether the next decode step of batch_size requests should run the draft (creates its bucket)."""
         b = self._bucket(batch_size)
-        if b.t_draft is None:  # warm-up: drafted steps first, then draft-free ones
-            return True
-        if b.t_plain is None:
-            return False
+        if b.drafting is None:  # measuring: drafted steps first, then draft-free ones
+            return b.t_draft is None
         if b.since_probe >= b.interval:
             return not b.drafting  # a probe of the path not taken
-        return bool(b.drafting)
+        return b.drafting
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens_per_req: float = 1.0) -> None:
         """Feed one finished decode step: its kind, wall time and (drafted) mean committed tokens per request."""
@@ -113,25 +147,23 @@ class AdaptiveSpeculation:
         b = self._bucket(batch_size)
         if drafted:
             b.t_draft = self._update(b.t_draft, b.draft_warmup, seconds)
-            b.tokens = self._update(b.tokens, b.tokens_warmup, tokens_per_req)
+            self.tokens = self._update(self.tokens, self._tokens_warmup, tokens_per_req)
         else:
             b.t_plain = self._update(b.t_plain, b.plain_warmup, seconds)
-        if b.t_draft is None or b.t_plain is None:
+        if b.drafting is None:  # measuring
+            if b.warm():
+                b.drafting = self.gain(key) >= 1.0 + self.config.margin
+                self._log_choice(key, b, "measured")
             return
-        wins = b.gain() >= 1.0 + self.config.margin
-        if b.drafting is None:  # both kinds just became warm
-            b.drafting = wins
-            self._log_choice(key, b, "measured")
+        probe = drafted != b.drafting
+        b.since_probe = 0 if probe else b.since_probe + 1
+        if not b.warm():  # an inherited choice holds until this bucket has timed both paths
             return
-        if drafted != b.drafting:  # a probe
-            b.since_probe = 0
-            if wins == b.drafting:  # it lost: probe less often
+        wins = self.gain(key) >= 1.0 + self.config.margin
+        if wins == b.drafting:
+            if probe:  # it lost: probe less often
                 b.interval = min(2 * b.interval, self.config.max_probe_interval)
-                return
-        else:
-            b.since_probe += 1
-            if wins == b.drafting:
-                return
+            return
         b.drafting, b.since_probe, b.interval = wins, 0, self.config.probe_interval
         self._log_choice(key, b, "switched")
 
@@ -145,9 +177,8 @@ class AdaptiveSpeculation:
             return None
         return float(statistics.median(warmup))
 
-    @staticmethod
-    def _log_choice(key: int, b: BucketState, how: str) -> None:
+    def _log_choice(self, key: int, b: BucketState, how: str) -> None:
         logger.info(
             "adaptive speculation: batch bucket <= %d %s: drafting %s (accept len %.2f in %.4f s vs 1 in %.4f s: %.2fx)",
-            key, how, "on" if b.drafting else "off", b.tokens, b.t_draft, b.t_plain, b.gain(),
+            key, how, "on" if b.drafting else "off", self.tokens, b.t_draft, b.t_plain, self.gain(key),
         )

@@ -30,8 +30,7 @@ def test_warmup_drafts_then_goes_plain_then_decides():
     p = AdaptiveSpeculation(CFG)
     kinds = drive(p, 1, 6, t_draft=0.15, tokens=1.3, t_plain=0.10)
     assert kinds == [True, True, True, False, False, False]
-    b = p.buckets[1]
-    assert b.drafting is False and b.gain() == pytest.approx(1.3 * 0.10 / 0.15)
+    assert p.buckets[1].drafting is False and p.gain(1) == pytest.approx(1.3 * 0.10 / 0.15)
 
 
 def test_a_losing_draft_is_turned_off_and_probed_ever_less_often_up_to_the_bound():
@@ -68,7 +67,7 @@ def test_drafting_comes_back_when_a_probe_finds_it_pays():
     assert p.buckets[1].drafting is False
 
 
-def test_buckets_are_powers_of_two_and_decide_independently():
+def test_buckets_are_powers_of_two_and_measure_when_neighbours_do_not_settle_them():
     assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 16, 64]
     with pytest.raises(ValueError, match="batch size"):
         bucket_of(0)
@@ -78,8 +77,73 @@ def test_buckets_are_powers_of_two_and_decide_independently():
     drive(p, 8, 10, t_draft=0.50, tokens=1.5, t_plain=0.20)  # same bucket as 5
     assert sorted(p.buckets) == [1, 8]
     assert p.buckets[1].drafting is True and p.buckets[8].drafting is False
-    assert p.should_draft(1) and p.should_draft(3)  # bucket 4 is new: it measures, drafting first
-    assert p.buckets[4].drafting is None
+    # Bucket 4 is new; its smaller neighbour drafts and its bigger one does not, which bounds nothing: it
+    # measures, drafting first.
+    assert p.should_draft(1) and p.should_draft(3)
+    assert p.buckets[4].drafting is None and p.buckets[4].inherited_from is None
+
+
+def test_the_accept_length_is_one_ema_over_all_buckets():
+    """L measures the draft on the traffic, not the batch: every bucket's drafted steps feed (and use) one EMA."""
+    p = AdaptiveSpeculation(CFG)
+    for bs, tokens in [(1, 2.0), (1, 2.2), (8, 1.4), (8, 1.0), (2, 3.0)]:
+        p.record(bs, True, 0.1, tokens)
+    assert p.tokens == pytest.approx(0.75 * (0.75 * 2.0 + 0.25 * 1.0) + 0.25 * 3.0)  # warm-up median, then EMA steps
+
+    p = AdaptiveSpeculation(CFG)
+    drive(p, 1, 6, t_draft=0.1, tokens=3.0, t_plain=0.1)  # bucket 1: L = 3, drafting on
+    assert p.buckets[1].drafting is True and p.tokens == pytest.approx(3.0)
+    # Bucket 8's own three drafted steps accept nothing; the shared EMA still remembers bucket 1's, so it
+    # drafts (its own L alone, 1.0, would give 0.67x).
+    drive(p, 8, 6, t_draft=0.15, tokens=1.0, t_plain=0.1)
+    shared = 0.75 * (0.75 * (0.75 * 3.0 + 0.25) + 0.25) + 0.25
+    assert p.tokens == pytest.approx(shared) and p.gain(8) == pytest.approx(shared * 0.1 / 0.15)
+    assert p.buckets[8].drafting is True
+
+
+def test_a_bigger_bucket_starts_off_when_a_smaller_one_does_not_draft():
+    """Traffic that grows from 1 to 8 requests: bucket 8 skips the drafted warm-up (3 steps at ~3x plain cost)."""
+    p = AdaptiveSpeculation(CFG)
+    drive(p, 1, 60, t_draft=0.15, tokens=1.3, t_plain=0.10)
+    assert p.buckets[1].drafting is False and p.buckets[1].interval == CFG.max_probe_interval
+    kinds = drive(p, 8, 40, t_draft=0.45, tokens=1.3, t_plain=0.15)
+    b = p.buckets[8]
+    assert b.inherited_from == 1 and b.drafting is False and b.interval == CFG.max_probe_interval
+    # The first drafted step is the probe after the inherited interval, not a warm-up.
+    assert kinds.index(True) == CFG.max_probe_interval and kinds.count(True) == 40 // (CFG.max_probe_interval + 1)
+    assert b.t_plain == pytest.approx(0.15) and b.t_draft is None  # drafting warms through probes only
+    fresh = drive(AdaptiveSpeculation(CFG), 8, 40, t_draft=0.45, tokens=1.3, t_plain=0.15)
+    assert fresh[:3] == [True, True, True] and fresh.count(True) > kinds.count(True)
+
+
+def test_a_smaller_bucket_starts_on_when_a_bigger_one_drafts():
+    p = AdaptiveSpeculation(CFG)
+    drive(p, 8, 20, t_draft=0.20, tokens=3.0, t_plain=0.15)
+    assert p.buckets[8].drafting is True
+    n = p.buckets[8].interval
+    kinds = drive(p, 2, n + 1, t_draft=0.12, tokens=3.0, t_plain=0.10)
+    assert p.buckets[2].inherited_from == 8 and p.buckets[2].drafting is True
+    assert kinds == [True] * n + [False]  # no draft-free warm-up: plain is timed by the probe after n steps
+
+
+def test_an_inherited_choice_yields_to_the_buckets_own_timings():
+    """If the ordering does not hold (the draft pays at 8 but not at 1), bucket 8 finds out once its probes
+    have timed drafting warmup_steps times, and switches."""
+    p = AdaptiveSpeculation(CFG)
+    drive(p, 1, 60, t_draft=0.15, tokens=1.3, t_plain=0.10)
+    kinds = drive(p, 8, 4 * (CFG.max_probe_interval + 1), t_draft=0.15, tokens=1.3, t_plain=0.30)
+    b = p.buckets[8]
+    assert b.inherited_from == 1 and b.drafting is True and b.t_draft == pytest.approx(0.15)
+    first_on = 3 * (CFG.max_probe_interval + 1)  # the third probe warmed t_draft and switched
+    assert kinds[:first_on].count(True) == 3 and all(kinds[first_on:first_on + CFG.probe_interval])
+
+
+def test_an_unsettled_bucket_does_not_settle_others():
+    """A bucket still measuring is no neighbour: bucket 4 measures while bucket 2 below it has not decided."""
+    p = AdaptiveSpeculation(CFG)
+    drive(p, 2, 4, t_draft=0.15, tokens=1.3, t_plain=0.10)
+    assert p.buckets[2].drafting is None
+    assert p.should_draft(4) and p.buckets[4].inherited_from is None and p.buckets[4].drafting is None
 
 
 @pytest.mark.parametrize("gain, drafts", [(1.04, False), (1.06, True)])
