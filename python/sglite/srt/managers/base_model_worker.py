@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # the launcher imports this module's report helpers in the torch-free front end
     from sglite.srt.managers.schedule_batch import ScheduleBatch
+    from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 
 class BaseModelWorker(ABC):
@@ -50,6 +51,29 @@ class BaseModelWorker(ABC):
         self.max_running_requests = int(plan.max_running_requests)
         # The model's context length; the req->token rows are wider (speculative and page slack).
         self.context_len = int(plan.context_len)
+        self._last_sampling: tuple[list[Any], Optional["SamplingBatchInfo"]] = ([], None)
+
+    def _sampling_info(self, batch: "ScheduleBatch") -> "SamplingBatchInfo":
+        """The batch's SamplingBatchInfo (needs ``vocab_size`` and ``device``); reused across unseeded steps."""
+        from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+        params = batch.sampling_params
+        histories = batch.token_histories()
+        if histories is not None or any(p.seed is not None for p in params):
+            # Seeded requests mix their generated-token count into the seed: fresh noise per step,
+            # reproducible whatever shares the batch; penalties follow each step's tokens.
+            return SamplingBatchInfo.from_sampling_params(
+                params, self.vocab_size, device=self.device, seed_offsets=[len(r.output_ids) for r in batch.reqs],
+                histories=histories,
+            )
+        # Unseeded rows depend on nothing but their params: consecutive decode steps over the same
+        # requests reuse one SamplingBatchInfo instead of rebuilding its tensors every step.
+        cached_params, cached_info = self._last_sampling
+        if len(cached_params) == len(params) and all(a is b for a, b in zip(cached_params, params)):
+            return cached_info
+        info = SamplingBatchInfo.from_sampling_params(params, self.vocab_size, device=self.device)
+        self._last_sampling = (params, info)
+        return info
 
     @abstractmethod
     def forward_prefill(self, batch: "ScheduleBatch") -> list[list[int]]:

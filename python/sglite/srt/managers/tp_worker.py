@@ -8,7 +8,6 @@ import torch
 
 from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.schedule_batch import ScheduleBatch
-from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.srt.server_args import ServerArgs
 
 
@@ -23,7 +22,6 @@ class TpModelWorker(BaseModelWorker):
         self._init_from_target(model_runner)
         self.vocab_size = int(model_runner.model_config.vocab_size)
         self.device = torch.device(model_runner.device)
-        self._last_sampling: tuple[list[Any], Optional[SamplingBatchInfo]] = ([], None)
 
     @classmethod
     def create(
@@ -43,25 +41,6 @@ class TpModelWorker(BaseModelWorker):
                 server_args, rank=rank, world_size=world_size, dist_init_method=dist_init_method, dp_rank=dp_rank
             )
         )
-
-    def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
-        params = batch.sampling_params
-        histories = batch.token_histories()
-        if histories is not None or any(p.seed is not None for p in params):
-            # Seeded requests mix their generated-token count into the seed: fresh noise per step,
-            # reproducible whatever shares the batch; penalties follow each step's tokens.
-            return SamplingBatchInfo.from_sampling_params(
-                params, self.vocab_size, device=self.device, seed_offsets=[len(r.output_ids) for r in batch.reqs],
-                histories=histories,
-            )
-        # Unseeded rows depend on nothing but their params: consecutive decode steps over the same
-        # requests reuse one SamplingBatchInfo instead of rebuilding its tensors every step.
-        cached_params, cached_info = self._last_sampling
-        if len(cached_params) == len(params) and all(a is b for a, b in zip(cached_params, params)):
-            return cached_info
-        info = SamplingBatchInfo.from_sampling_params(params, self.vocab_size, device=self.device)
-        self._last_sampling = (params, info)
-        return info
 
     # inference_mode, not just no_grad: no version counters or view tracking on the forward's tensors
     # (~150 us per decode step of the default model on CPU). Nothing made here is modified in place

@@ -40,7 +40,6 @@ from sglite.srt.layers.sampler import Sampler, mixed_seed
 from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.srt.speculative.adaptive import AdaptiveSpeculation
 from sglite.srt.speculative.dflash_utils import (
     BlockVerifyResult,
@@ -356,15 +355,6 @@ class DFlashWorker(BaseModelWorker):
         chosen, top = logprobs_with_top(verify_logits.reshape(bs * block, -1), ids.reshape(-1), ks)
         batch.next_token_logprobs = [chosen[i * block : i * block + len(t)] for i, t in enumerate(returned)]
         batch.next_token_top_logprobs = [top[i * block : i * block + len(t)] for i, t in enumerate(returned)]
-
-    def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
-        return SamplingBatchInfo.from_sampling_params(
-            batch.sampling_params,
-            self.vocab_size,
-            device=self.device,
-            seed_offsets=[len(r.output_ids) for r in batch.reqs],
-            histories=batch.token_histories(),
-        )
 
     def _verify(self, batch: ScheduleBatch, block_ids: torch.Tensor, logits: torch.Tensor) -> BlockVerifyResult:
         """Greedy rows: longest matching prefix + argmax bonus; sampled rows: lossless rejection sampling.
