@@ -8,9 +8,11 @@
 per step (steady on a shared box, unlike wall time). ``--no-pack`` skips cpu_gemm's packed copies (the
 before/after A/B). ``gemm``: the model's five weight shapes, one call each, best of 5 interleaved rounds:
 ``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed
-(``mkldnn::_linear_pointwise``). ``spec-disable``: an in-process Scheduler on the embedded default pair,
-greedy, plain vs DFLASH with ``--speculative-disable-by-batch-size 1`` (never drafts) vs DFLASH, CPU
-seconds for the whole run, alternated twice, outputs compared. Run with OMP_NUM_THREADS=1.
+(``mkldnn::_linear_pointwise``). ``spec-disable``: an in-process Scheduler on the toy pair (or
+``--model-path`` / ``--draft-model-path``, e.g. the SmolLM2 GGUF and ``python/sglite/assets/smollm2_draft``),
+greedy, plain vs DFLASH with ``--speculative-disable-by-batch-size 1`` (never drafts) vs DFLASH vs
+``--speculative-adaptive`` (``--kinds``), CPU seconds for the whole run, alternated twice, outputs
+compared. Run with OMP_NUM_THREADS=1.
 """
 
 from __future__ import annotations
@@ -145,9 +147,10 @@ def spec_disable(args: argparse.Namespace) -> None:
     prompts = random_prompt_ids(args.num_prompts, 64, 4000, 0)
 
     def run(kind: str) -> tuple[float, list]:
-        kw = dict(model_path=TOY_MODEL_DIR, device="cpu", dtype="float32", max_running_requests=64)
+        kw = dict(model_path=args.model_path or TOY_MODEL_DIR, device="cpu", dtype="float32", max_running_requests=64)
         if kind != "plain":
-            kw.update(speculative_algorithm="DFLASH", speculative_draft_model_path=TOY_DRAFT_DIR)
+            kw.update(speculative_algorithm="DFLASH", speculative_draft_model_path=args.draft_model_path or TOY_DRAFT_DIR,
+                      speculative_adaptive=kind == "adaptive")
         if kind == "disabled":
             kw["speculative_disable_by_batch_size"] = 1
         sa = ServerArgs(**kw).validate()
@@ -162,7 +165,7 @@ def spec_disable(args: argparse.Namespace) -> None:
             finally:
                 destroy_parallel_runtime()
 
-    kinds = ("plain", "disabled", "dflash")
+    kinds = args.kinds
     secs: dict[str, list[float]] = {k: [] for k in kinds}
     outs = {}
     for _ in range(2):
@@ -170,7 +173,7 @@ def spec_disable(args: argparse.Namespace) -> None:
             t, outs[k] = run(k)
             secs[k].append(t)
     for k in kinds:
-        print(f"{k:>9}: {' '.join(f'{t:.2f}' for t in secs[k])} CPU s; same tokens as plain: {outs[k] == outs['plain']}")
+        print(f"{k:>9}: {' '.join(f'{t:.2f}' for t in secs[k])} CPU s; same tokens as {kinds[0]}: {outs[k] == outs[kinds[0]]}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -188,6 +191,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     d = sub.add_parser("spec-disable")
     d.add_argument("--num-prompts", type=int, default=32)
     d.add_argument("--output-len", type=int, default=48)
+    d.add_argument("--model-path", default=None, help="target (directory or .gguf); default: the toy model")
+    d.add_argument("--draft-model-path", default=None, help="DFLASH draft; default: the toy draft")
+    d.add_argument("--kinds", nargs="+", default=["plain", "disabled", "dflash"],
+                   choices=("plain", "disabled", "dflash", "adaptive"))
     args = p.parse_args(argv)
     {"step": step, "gemm": gemm, "spec-disable": spec_disable}[args.cmd](args)
     return 0
