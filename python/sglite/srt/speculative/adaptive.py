@@ -24,7 +24,8 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   bucket drafts, a smaller one starts on (not when the two neighbours disagree). Such a bucket takes its
   neighbour's probe interval (the neighbour's probes have confirmed the choice that often), measures the
   path it runs, and the other path through its probes only; once both of its EMAs are warm it decides
-  from its own timings like any other bucket. This matters because traffic walks through buckets (8
+  from its own timings like any other bucket. Until then the choice lasts only while the neighbour keeps
+  it: if the neighbour switches (a reply turned repetitive), the bucket goes back to measuring. This matters because traffic walks through buckets (8
   requests finishing one by one visit buckets 8, 4, 2, 1), and each measuring bucket pays
   ``warmup_steps`` drafted steps, which cost ~3 plain steps each at batch 8 on a CPU.
 
@@ -131,6 +132,9 @@ class AdaptiveSpeculation:
     def should_draft(self, batch_size: int) -> bool:
         """Whether the next decode step of batch_size requests should run the draft (creates its bucket)."""
         b = self._bucket(batch_size)
+        if b.inherited_from is not None and not b.warm() and self.buckets[b.inherited_from].drafting != b.drafting:
+            # The neighbour changed its mind before this bucket could judge on its own: measure instead.
+            b.drafting, b.inherited_from, b.since_probe, b.interval = None, None, 0, self.config.probe_interval
         if b.drafting is None:  # measuring: drafted steps first, then draft-free ones
             return b.t_draft is None
         if b.since_probe >= b.interval:

@@ -138,6 +138,22 @@ def test_an_inherited_choice_yields_to_the_buckets_own_timings():
     assert kinds[:first_on].count(True) == 3 and all(kinds[first_on:first_on + CFG.probe_interval])
 
 
+def test_an_inherited_choice_lasts_only_while_the_neighbour_keeps_it():
+    """Bucket 1 switches drafting on (the reply turned repetitive) before bucket 8's probes could time drafting:
+    bucket 8 no longer follows an "off" that nothing supports, and measures, drafting first."""
+    p = AdaptiveSpeculation(CFG)
+    drive(p, 1, 60, t_draft=0.15, tokens=1.3, t_plain=0.10)
+    drive(p, 8, 5, t_draft=0.45, tokens=1.3, t_plain=0.15)
+    assert p.buckets[8].inherited_from == 1 and not p.should_draft(8)
+    while p.buckets[1].drafting is False:
+        drive(p, 1, 1, t_draft=0.15, tokens=6.0, t_plain=0.10)
+    b = p.buckets[8]
+    assert p.should_draft(8) and b.drafting is None and b.inherited_from is None
+    assert b.t_plain == pytest.approx(0.15)  # what it measured is kept: only the drafted warm-up is left
+    kinds = drive(p, 8, 4, t_draft=0.45, tokens=6.0, t_plain=0.15)
+    assert kinds[:3] == [True, True, True] and b.drafting is True
+
+
 def test_an_unsettled_bucket_does_not_settle_others():
     """A bucket still measuring is no neighbour: bucket 4 measures while bucket 2 below it has not decided."""
     p = AdaptiveSpeculation(CFG)
