@@ -25,9 +25,10 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   neighbour's probe interval (the neighbour's probes have confirmed the choice that often), measures the
   path it runs, and the other path through its probes only; once both of its EMAs are warm it decides
   from its own timings like any other bucket. Until then the choice lasts only while the neighbour keeps
-  it: if the neighbour switches (a reply turned repetitive), the bucket goes back to measuring. This matters because traffic walks through buckets (8
-  requests finishing one by one visit buckets 8, 4, 2, 1), and each measuring bucket pays
-  ``warmup_steps`` drafted steps, which cost ~3 plain steps each at batch 8 on a CPU.
+  it: if the neighbour switches (a reply turned repetitive), the bucket goes back to measuring. This
+  matters because traffic walks through buckets (8 requests finishing one by one visit buckets 8, 4, 2,
+  1), and each measuring bucket pays ``warmup_steps`` drafted steps, which cost ~3 plain steps each at
+  batch 8 on a CPU.
 
 Pure Python and deterministic: the same sequence of ``record`` calls gives the same decisions.
 """
