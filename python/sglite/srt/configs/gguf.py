@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from typing import Iterator, Optional
 
+from sglite.srt.configs.gguf_header import GGUFHeader, read_gguf_header
+
 # GGUF ``general.architecture`` -> the HF architecture our registry builds.
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -108,33 +110,80 @@ def gguf_metadata_dir(gguf_file: str) -> str:
     return out
 
 
-def _file_facts(gguf_file: str) -> tuple[str, str, Optional[int], bool]:
+def _file_facts(header: GGUFHeader) -> tuple[str, str, Optional[int], bool]:
     """``general.architecture``, the widest unquantized float type (the runtime dtype), the key head size,
     and whether the file carries a tokenizer."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
 
-    reader = GGUFReader(gguf_file)
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise GGUFError(f"{gguf_file}: no general.architecture in its metadata")
-    arch = field.contents()
-    kinds = {t.tensor_type.name for t in reader.tensors}
+    meta = header.metadata
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise GGUFError(f"{header.path}: no general.architecture in its metadata")
+    kinds = set()
+    for t in header.tensors:
+        try:
+            kinds.add(GGMLQuantizationType(t.ggml_type).name)
+        except ValueError:  # a type this gguf package does not know: the weight loader names it
+            pass
     dtype = next((v for k, v in _FLOAT_TYPES.items() if k in kinds), "float32")
-    key_length = reader.fields.get(f"{arch}.attention.key_length")
-    has_tokenizer = "tokenizer.ggml.model" in reader.fields
-    return arch, dtype, None if key_length is None else int(key_length.contents()), has_tokenizer
+    key_length = meta.get(f"{arch}.attention.key_length")
+    has_tokenizer = "tokenizer.ggml.model" in meta
+    return arch, dtype, None if key_length is None else int(key_length), has_tokenizer
+
+
+def _hf_config_dict(header: GGUFHeader) -> dict:
+    """The config dict transformers' ``load_gguf_checkpoint`` derives from this metadata (its llama / qwen2 /
+    qwen3 steps, over transformers' own key table), without its ``GGUFReader`` pass (~5 s on a 49k vocabulary)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    meta = header.metadata
+    arch = meta["general.architecture"]
+    # llama.cpp files Mistral under llama; transformers tells them apart by an exact general.name.
+    updated = "mistral" if "llama" in arch and meta.get("general.name") == "mistral" else arch
+    config: dict = {"tie_word_embeddings": all(t.name != "output.weight" for t in header.tensors)}
+    for key, value in (GGUF_CONFIG_DEFAULTS_MAPPING.get(updated) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        config.setdefault(key, value)
+    for gguf_key, value in meta.items():
+        prefix, _, config_key = gguf_key.replace(arch, updated).partition(".")
+        if isinstance(value, list) and len(value) == 1:  # transformers unwraps one-element arrays
+            value = value[0]
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key)
+        if renamed is not None and renamed != -1:
+            config[renamed] = value
+    if "vocab_size" not in config and isinstance(meta.get("tokenizer.ggml.tokens"), list):
+        config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    return config
+
+
+def _gguf_tokenizer(folder: str, name: str, config: object) -> object:
+    """The tokenizer ``AutoTokenizer.from_pretrained(folder, gguf_file=name)`` builds, without its second
+    metadata pass: with no tokenizer files beside the GGUF it picks the class by the config's type."""
+    from transformers import AutoTokenizer, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    cls = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    beside = any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer_config.json", "tokenizer.json"))
+    if beside or not (isinstance(cls, type) and issubclass(cls, TokenizersBackend)):
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)  # transformers' own choice, slower
+    return cls.from_pretrained(folder, gguf_file=name, _from_auto=True)
 
 
 def _write_metadata_dir(gguf_file: str, out: str) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import CONFIG_MAPPING, AutoConfig
 
-    arch, dtype, head_dim, has_tokenizer = _file_facts(gguf_file)
+    header = read_gguf_header(gguf_file)
+    arch, dtype, head_dim, has_tokenizer = _file_facts(header)
     if arch not in GGUF_ARCHITECTURES:
         raise GGUFError(
             f"{gguf_file}: GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
         )
     folder, name = os.path.dirname(gguf_file), os.path.basename(gguf_file)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    config_dict = _hf_config_dict(header)
+    # As AutoConfig.from_pretrained(folder, gguf_file=name) builds it.
+    hf_config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(dict(config_dict), name_or_path=folder)
+    config = hf_config.to_dict()
     config["architectures"] = [GGUF_ARCHITECTURES[arch]]
     config["dtype"] = dtype
     if head_dim is not None:  # transformers' qwen3 mapping ignores attention.key_length
@@ -143,7 +192,8 @@ def _write_metadata_dir(gguf_file: str, out: str) -> None:
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     if has_tokenizer:  # else --tokenizer-path must name one
-        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+        # AutoTokenizer builds the config it picks a class by with for_model, not from_pretrained.
+        _gguf_tokenizer(folder, name, AutoConfig.for_model(**config_dict)).save_pretrained(out)
 
 
 __all__ = ["GGUFError", "GGUF_ARCHITECTURES", "find_gguf_file", "gguf_metadata_dir", "resolved_load_format"]

@@ -1,5 +1,7 @@
 """Reading GGUF weights: dequantize every tensor with the ``gguf`` package and give it its HF name.
 
+The tensor table and bytes come from ``configs.gguf_header`` (one mmap), not the package's slow GGUFReader.
+
 Tensors come out in HF layout and HF names, full size, so each model's ``load_weights`` shards them
 for TP exactly as it shards a safetensors checkpoint. llama.cpp's converter permutes the rows of the
 Q and K projections of ``llama`` models (interleaved rope pairs); that permutation is undone here.
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from sglite.srt.configs.gguf import GGUF_ARCHITECTURES, GGUFError
+from sglite.srt.configs.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_header
 from sglite.srt.configs.model_config import ModelConfig
 
 # Architectures whose GGUF converter interleaves the rope halves of Q and K rows.
@@ -58,40 +61,52 @@ def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
     return out
 
 
-def _dequantize(tensor: "object", path: str) -> np.ndarray:
+def _dequantize(header: GGUFHeader, tensor: GGUFTensorInfo) -> np.ndarray:
+    """The tensor as fp32 in numpy order, bit-equal to ``gguf.quants.dequantize`` on GGUFReader's data."""
     import gguf
+    from gguf import GGMLQuantizationType as Q
 
-    kind = tensor.tensor_type
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
     try:
-        data = gguf.quants.dequantize(tensor.data, kind)
+        kind = Q(tensor.ggml_type)
+    except ValueError:
+        raise GGUFError(f"{header.path}: tensor {tensor.name!r} has unknown GGML type id {tensor.ggml_type}") from None
+    raw = header.tensor_bytes(tensor)  # (rows, bytes per row)
+    # gguf.quants.dequantize walks a quantized tensor 16 rows at a time; one call over all its rows does
+    # the same per-block arithmetic (so the same bits) with far fewer numpy calls.
+    quant = getattr(gguf.quants, kind.name, None) if kind not in (Q.F32, Q.F16) else None
+    try:
+        if quant is not None and hasattr(quant, "dequantize_rows"):
+            quant.init_grid()
+            data = quant.dequantize_rows(raw)
+        else:
+            data = gguf.quants.dequantize(raw, kind)
     except NotImplementedError as e:
         raise GGUFError(
-            f"{path}: tensor {tensor.name!r} uses GGUF quant type {kind.name}, which the gguf package cannot dequantize"
+            f"{header.path}: tensor {tensor.name!r} uses GGUF quant type {kind.name}, which the gguf package cannot dequantize"
         ) from e
-    return np.asarray(data, dtype=np.float32).reshape(shape)
+    return np.asarray(data, dtype=np.float32).reshape(tensor.shape)
 
 
 def iterate_gguf(path: str, model_config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, dequantized tensor in ``dtype``) for every tensor of the GGUF file at ``path``."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
+    header = read_gguf_header(path)
+    arch = header.metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
     names = _hf_names(arch, model_config.num_hidden_layers)
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         if tensor.name in _DERIVED_TENSORS:
             continue
         hf_name = names.get(tensor.name)
         if hf_name is None:
             raise GGUFError(f"{path}: GGUF tensor {tensor.name!r} has no counterpart in {GGUF_ARCHITECTURES[arch]}")
-        weight = _dequantize(tensor, path)
+        weight = _dequantize(header, tensor)
         if arch in _PERMUTED_QK_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = model_config.num_attention_heads if "q_proj" in hf_name else model_config.num_key_value_heads
             weight = unpermute_rope_rows(weight, heads)
-        yield hf_name, torch.from_numpy(np.array(weight, dtype=np.float32)).to(dtype)
+        # F32 tensors are read-only views of the mapped file: torch needs its own writable copy of those.
+        owned = weight if weight.flags.writeable and weight.flags.c_contiguous else np.array(weight, dtype=np.float32)
+        yield hf_name, torch.from_numpy(owned).to(dtype)
 
 
 __all__ = ["iterate_gguf", "unpermute_rope_rows"]
