@@ -1,12 +1,13 @@
 """GGUF checkpoints: find the file, and turn its metadata into an HF-layout folder (config + tokenizer).
 
 A ``--model-path`` may name a ``.gguf`` file or a folder holding exactly one (and no config.json). The
-config and tokenizer come from the file's metadata through transformers' GGUF conversion; converting
-the tokenizer takes seconds, so the result is written once to a cache folder keyed by the file's path,
-size and mtime (rebuilt whenever it is missing, written atomically under a lock so that the several
-processes of one server starting at once convert it only once). The weights are read from the GGUF
-itself by ``model_loader.gguf_weights``; the cache holds no weights.
-"""
+config and tokenizer are what transformers' GGUF conversion makes of the file's metadata (its key table,
+config classes and tokenizer converter), but the metadata is read once by ``configs.gguf_header``: the
+``gguf`` package's reader, which transformers uses for the config of these architectures, took ~5 s per
+pass on SmolLM2's 49k vocabulary, and AutoTokenizer made a second pass. The result is written once to
+a cache folder keyed by the file's path, size and mtime (rebuilt whenever it is missing, written
+atomically under a lock so that the several processes of one server starting at once convert it only
+once). The weights are read from the GGUF itself by ``model_loader.gguf_weights``; the cache holds no weights."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from sglite.srt.configs.gguf_header import GGUFHeader, read_gguf_header
@@ -110,15 +112,28 @@ def gguf_metadata_dir(gguf_file: str) -> str:
     return out
 
 
-def _file_facts(header: GGUFHeader) -> tuple[str, str, Optional[int], bool]:
-    """``general.architecture``, the widest unquantized float type (the runtime dtype), the key head size,
-    and whether the file carries a tokenizer."""
+@dataclass(frozen=True)
+class _FileFacts:
+    """What sglite reads from a GGUF's metadata besides transformers' config mapping."""
+
+    arch: str  # general.architecture
+    dtype: str  # the widest unquantized float type in the file: the runtime dtype
+    head_dim: Optional[int]  # {arch}.attention.key_length, when present
+    has_tokenizer: bool
+
+
+def _file_facts(header: GGUFHeader) -> _FileFacts:
+    """The architecture (a clear error when absent or unsupported), dtype, key head size and tokenizer presence."""
     from gguf import GGMLQuantizationType
 
     meta = header.metadata
     arch = meta.get("general.architecture")
     if arch is None:
         raise GGUFError(f"{header.path}: no general.architecture in its metadata")
+    if arch not in GGUF_ARCHITECTURES:
+        raise GGUFError(
+            f"{header.path}: GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
     kinds = set()
     for t in header.tensors:
         try:
@@ -127,8 +142,19 @@ def _file_facts(header: GGUFHeader) -> tuple[str, str, Optional[int], bool]:
             pass
     dtype = next((v for k, v in _FLOAT_TYPES.items() if k in kinds), "float32")
     key_length = meta.get(f"{arch}.attention.key_length")
-    has_tokenizer = "tokenizer.ggml.model" in meta
-    return arch, dtype, None if key_length is None else int(key_length), has_tokenizer
+    head_dim = None if key_length is None else int(key_length)
+    return _FileFacts(arch, dtype, head_dim, "tokenizer.ggml.model" in meta)
+
+
+def _served_config(hf_config: dict, facts: _FileFacts) -> dict:
+    """transformers' config dict for the file, with what sglite serves it as (architecture, dtype, head_dim)."""
+    config = dict(hf_config)
+    config["architectures"] = [GGUF_ARCHITECTURES[facts.arch]]
+    config["dtype"] = facts.dtype
+    if facts.head_dim is not None:  # transformers' qwen3 mapping ignores attention.key_length
+        config["head_dim"] = facts.head_dim
+    config.pop("quantization_config", None)
+    return config
 
 
 def _hf_config_dict(header: GGUFHeader) -> dict:
@@ -174,24 +200,14 @@ def _write_metadata_dir(gguf_file: str, out: str) -> None:
     from transformers import CONFIG_MAPPING, AutoConfig
 
     header = read_gguf_header(gguf_file)
-    arch, dtype, head_dim, has_tokenizer = _file_facts(header)
-    if arch not in GGUF_ARCHITECTURES:
-        raise GGUFError(
-            f"{gguf_file}: GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
-        )
+    facts = _file_facts(header)
     folder, name = os.path.dirname(gguf_file), os.path.basename(gguf_file)
     config_dict = _hf_config_dict(header)
-    # As AutoConfig.from_pretrained(folder, gguf_file=name) builds it.
+    # As AutoConfig.from_pretrained(folder, gguf_file=name) builds it from that dict.
     hf_config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(dict(config_dict), name_or_path=folder)
-    config = hf_config.to_dict()
-    config["architectures"] = [GGUF_ARCHITECTURES[arch]]
-    config["dtype"] = dtype
-    if head_dim is not None:  # transformers' qwen3 mapping ignores attention.key_length
-        config["head_dim"] = head_dim
-    config.pop("quantization_config", None)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    if has_tokenizer:  # else --tokenizer-path must name one
+        json.dump(_served_config(hf_config.to_dict(), facts), f, indent=2, sort_keys=True)
+    if facts.has_tokenizer:  # else --tokenizer-path must name one
         # AutoTokenizer builds the config it picks a class by with for_model, not from_pretrained.
         _gguf_tokenizer(folder, name, AutoConfig.for_model(**config_dict)).save_pretrained(out)
 

@@ -102,10 +102,17 @@ class _Cursor:
 def read_gguf_header(path: str) -> GGUFHeader:
     """Parse ``path``'s metadata and tensor table (tensor data is left in place, mapped)."""
     with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GGUFFormatError(f"{path}: not a GGUF file (no GGUF magic)")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse(buf, path)
+    except struct.error as e:  # a count or length pointing past the end of the file
+        raise GGUFFormatError(f"{path}: truncated or corrupt GGUF header ({e})") from None
+
+
+def _parse(buf: Any, path: str) -> GGUFHeader:
     cur = _Cursor(buf, path)
-    if len(buf) < 24 or buf[:4] != b"GGUF":
-        raise GGUFFormatError(f"{path}: not a GGUF file (no GGUF magic)")
     cur.pos = 4
     version, n_tensors, n_kv = cur.unpack("<IQQ")
     if version not in _SUPPORTED_VERSIONS:

@@ -85,9 +85,10 @@ def test_gguf_matches_transformers_on_the_same_file(arch, quant, tmp_path, rank0
     assert greedy_generate(runner, PROMPTS, 16) == expected
 
 
-def test_gguf_weights_equal_transformers_dequantization(tmp_path):
+@pytest.mark.parametrize("quant", ["F32", "F16", "Q8_0", "Q4_1"])
+def test_gguf_weights_equal_transformers_dequantization(tmp_path, quant):
     """Every tensor, after dequantizing and undoing llama's Q/K permutation, is bit-equal to transformers'."""
-    d = _write(tmp_path, "llama", "Q4_1")
+    d = _write(tmp_path, "llama", quant)
     ours = dict(iterate_gguf(find_gguf_file(d), ModelConfig.from_path(d), torch.float32))
     theirs = _hf_from_gguf(d).state_dict()
     assert set(ours) == set(theirs)
