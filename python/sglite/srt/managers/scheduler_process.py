@@ -60,6 +60,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
     other ranks receive rank 0's messages by broadcast and run the same schedule in lockstep.
     """
     import traceback
+    from concurrent.futures import ThreadPoolExecutor
 
     import zmq
 
@@ -77,16 +78,20 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
     try:
         if server_args.resolved_device() == "cpu":
             apply_scheduler_threads(server_args.cpu_threads, rank, world_size)
-        worker = create_model_worker(
-            server_args,
-            rank=rank,
-            world_size=world_size,
-            dist_init_method=port_args.dist_init_method,
-            dp_rank=port_args.dp_rank,
-        )
-        runner = worker.target_runner
         tokenizer_path = server_args.tokenizer_path or server_args.model_path
-        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+        with ThreadPoolExecutor(1, thread_name_prefix="sglite-tokenizer-load") as pool:
+            # Importing transformers and reading tokenizer.json overlaps the weight load, whose numpy /
+            # torch kernels leave the GIL free; on a 2-core box this hides most of it.
+            pending = pool.submit(load_tokenizer, tokenizer_path) if tokenizer_path else None
+            worker = create_model_worker(
+                server_args,
+                rank=rank,
+                world_size=world_size,
+                dist_init_method=port_args.dist_init_method,
+                dp_rank=port_args.dp_rank,
+            )
+            tokenizer = pending.result() if pending is not None else None
+        runner = worker.target_runner
         eos = resolve_eos_token_ids(server_args.model_path, runner.model_config, tokenizer)
         scheduler = Scheduler(server_args, worker, tokenizer=tokenizer, eos_token_ids=eos)
         # PD: prefill hand-off or decode pre-allocation (the no-op component without PD).
