@@ -139,7 +139,8 @@ class BaseTokenToKVPool(abc.ABC):
             ) from None
 
     def _store(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype)
+        if x.dtype != self.dtype:  # a check, not a no-op .to() per layer (each op costs a dispatch on CPU)
+            x = x.to(self.dtype)
         return x.view(self.store_dtype) if self.store_dtype != self.dtype else x
 
     def _load(self, buf: torch.Tensor) -> torch.Tensor:
@@ -214,8 +215,9 @@ class MHATokenToKVPool(BaseTokenToKVPool):
         k = self._store(cache_k.reshape(n, self.head_num, self.head_dim))
         v = self._store(cache_v.reshape(n, self.head_num, self.v_head_dim))
         if loc.dtype == torch.int64:  # index_copy_ skips advanced indexing's setup (cheaper per layer on CPU)
-            self.k_buffer[i].index_copy_(0, loc.reshape(-1), k)
-            self.v_buffer[i].index_copy_(0, loc.reshape(-1), v)
+            flat = loc if loc.dim() == 1 else loc.reshape(-1)
+            self.k_buffer[i].index_copy_(0, flat, k)
+            self.v_buffer[i].index_copy_(0, flat, v)
         else:
             self.k_buffer[i][loc] = k
             self.v_buffer[i][loc] = v

@@ -95,13 +95,8 @@ class AttentionBackend(ABC):
 
     def save_kv(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> None:
         """Write the new tokens' K/V into the layer's pool buffers at ``out_cache_loc``."""
-        n = forward_batch.out_cache_loc.numel()
-        forward_batch.token_to_kv_pool.set_kv_buffer(
-            layer.layer_id,
-            forward_batch.out_cache_loc,
-            k.reshape(n, layer.num_kv_heads, layer.head_dim),
-            v.reshape(n, layer.num_kv_heads, layer.v_head_dim),
-        )
+        # The pool reshapes ``[n, heads*dim]`` rows itself (and checks their size).
+        forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
 
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:

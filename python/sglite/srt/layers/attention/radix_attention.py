@@ -56,7 +56,7 @@ class RadixAttention(nn.Module):
         forward_batch: "ForwardBatch",
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        """q ``[T, H*D]``, k ``[T, Hkv*D]``, v ``[T, Hkv*Dv]`` → o ``[T, H*Dv]``."""
+        """q ``[T, H*D]``, k ``[T, Hkv*D]``, v ``[T, Hkv*Dv]`` (or per-head ``[T, heads, dim]``) → o ``[T, H*Dv]``."""
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache=save_kv_cache)
 
     def extra_repr(self) -> str:

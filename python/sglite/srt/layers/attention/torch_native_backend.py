@@ -205,6 +205,17 @@ def _group_requests(spans: RequestSpans, padding_limit: float) -> list[list[int]
     return groups
 
 
+def _as_fp32(x: torch.Tensor) -> torch.Tensor:
+    # A dtype check instead of a no-op .float(): each op call costs a dispatch on a CPU decode step.
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _group_kv(buf: torch.Tensor, group: "_BatchGroup") -> torch.Tensor:
+    """The group's keys (or values) of one layer as fp32 ``[bs, Hkv, S, D]``: one gather, then strided views."""
+    rows = buf.index_select(0, group.kv_index)
+    return _as_fp32(rows.view(group.bs, group.max_s, buf.shape[1], -1).transpose(1, 2))
+
+
 def batched_attention(
     q3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: _BatchGroup, causal: bool, layer: "RadixAttention"
 ) -> torch.Tensor:
@@ -218,14 +229,21 @@ def batched_attention(
     num_heads, head_dim = q3.shape[1], q3.shape[2]
     kv_heads = k_buf.shape[1]
     g = num_heads // kv_heads
+    k, v = _group_kv(k_buf, group), _group_kv(v_buf, group)
+    window = layer.sliding_window
+    if max_q == 1 and group.token_slice is not None:
+        # Decode: one query per request, already in padded order. The same views as the general path
+        # below (so the same SDPA inputs, bit for bit) in a third of its ops; each op pays a dispatch
+        # with caches cold from the GEMMs (docs/benchmarks.md, "SmolLM2 decode profile").
+        qp = q3 if group.token_slice.stop - group.token_slice.start == q3.shape[0] else q3[group.token_slice]
+        qp = _as_fp32(qp).view(bs, kv_heads, g, head_dim)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=group.mask(causal, window, g), scale=layer.scaling)
+        return o.reshape(bs, num_heads, o.shape[-1])  # [bs, Hkv, G, Dv] in head order h = kv_head * G + g
     if group.token_slice is not None:
-        qp = q3[group.token_slice].float()
+        qp = _as_fp32(q3[group.token_slice])
     else:
         qp = q3.new_zeros((bs * max_q, num_heads, head_dim), dtype=torch.float32)
         qp[group.q_dst] = q3[group.q_src].float()
-    k = k_buf.index_select(0, group.kv_index).view(bs, max_s, kv_heads, -1).transpose(1, 2).float()
-    v = v_buf.index_select(0, group.kv_index).view(bs, max_s, kv_heads, -1).transpose(1, 2).float()
-    window = layer.sliding_window
     if causal and max_q > 1 and group.plain_causal_ok and (window is None or group.max_q_pos < window):
         qh = qp.view(bs, max_q, num_heads, head_dim).transpose(1, 2)  # [bs, H, Q, D]
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=layer.scaling, enable_gqa=g > 1)
@@ -290,7 +308,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         if len(self._groups) == 1:
             g = self._groups[0]
             o = batched_attention(q3, k_buf, v_buf, g, causal, layer)
-            return o.to(q.dtype).reshape(-1, layer.num_heads * layer.v_head_dim)
+            if o.dtype != q.dtype:
+                o = o.to(q.dtype)
+            return o.reshape(-1, layer.num_heads * layer.v_head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
         for g in self._groups:
             o = batched_attention(q3, k_buf, v_buf, g, causal, layer)
