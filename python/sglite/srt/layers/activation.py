@@ -12,5 +12,5 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the gated SiLU."""
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]).mul_(x[..., d:])  # in place into silu's fresh output: one allocation less
+        gate, up = x.chunk(2, dim=-1)  # one op for both halves (each op costs a dispatch on a CPU decode step)
+        return F.silu(gate).mul_(up)  # in place into silu's fresh output: one allocation less

@@ -31,9 +31,9 @@ class RotaryEmbedding(nn.Module):
         half = rotary_dim // 2
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.register_buffer("cos_signed_sin_cache", torch.stack((cos, signed_sin), dim=1), persistent=False)
-        # Inside ``shared_rows(positions)``: that tensor and its gathered table rows, so the layers of one
-        # forward gather once instead of once each (see ``shared_rows``).
-        self._shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        # Inside ``shared_rows(positions)``: that tensor and its gathered (cos, signed_sin) rows per dtype,
+        # so the layers of one forward gather (and split and cast) once instead of once each.
+        self._shared: Optional[tuple[torch.Tensor, dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]]]] = None
 
     def _compute_inv_freq(self) -> torch.Tensor:
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / self.rotary_dim
@@ -58,13 +58,17 @@ class RotaryEmbedding(nn.Module):
         equals ``x * cos + cat(-x2, x1) * sin`` bit for bit (negation is exact) in four tensor ops.
         """
         t, heads = x.shape[0], x.shape[1]
-        table = self._table_rows(positions, x.dtype)  # [T, 2, rotary_dim]
-        cos, signed_sin = table[:, 0:1], table[:, 1:2]  # [T, 1, rotary_dim], broadcast over heads
+        cos, signed_sin = self._cos_signed_sin(positions, x.dtype)  # [T, 1, rotary_dim], broadcast over heads
         rd, half = self.rotary_dim, self.rotary_dim // 2
         rot = x if rd == self.head_size else x[..., :rd]
-        swapped = rot.reshape(t, heads, 2, half).flip(2).view(t, heads, rd)
+        # swap_halves copies (a tensor of ours, scaled in place below): one roll on a contiguous tensor
+        # (decode at batch 1), else a flip of the [.., 2, half] view (roll would first copy to contiguous).
+        if rot.is_contiguous():
+            swapped = rot.roll(half, -1)
+        else:
+            swapped = rot.reshape(t, heads, 2, half).flip(2).view(t, heads, rd)
         out = rot * cos
-        out += swapped * signed_sin
+        out += swapped.mul_(signed_sin)
         if rd == self.head_size:
             return out
         return torch.cat((out, x[..., rd:]), dim=-1)
@@ -78,17 +82,28 @@ class RotaryEmbedding(nn.Module):
         another thread's forward on a shared module) just gathers its own rows.
         """
         prev = self._shared
-        self._shared = (positions, self.cos_signed_sin_cache.index_select(0, positions))
+        self._shared = (positions, {})
         try:
             yield
         finally:
             self._shared = prev
 
-    def _table_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _cos_signed_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) ``[T, 1, rotary_dim]`` in ``dtype``; inside ``shared_rows`` gathered once per dtype."""
         shared = self._shared  # read once: another thread may swap it
         if shared is not None and shared[0] is positions:
-            return shared[1].to(dtype)
-        return self.cos_signed_sin_cache.index_select(0, positions).to(dtype)
+            rows = shared[1].get(dtype)
+            if rows is None:
+                rows = shared[1][dtype] = self._gather_rows(positions, dtype)
+            return rows
+        return self._gather_rows(positions, dtype)
+
+    def _gather_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.cos_signed_sin_cache.index_select(0, positions)  # [T, 2, rotary_dim]
+        if table.dtype != dtype:
+            table = table.to(dtype)
+        cos, signed_sin = table.split(1, dim=1)
+        return cos, signed_sin
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

@@ -140,8 +140,9 @@ class LlamaAttention(nn.Module):
         # q and k heads sit side by side in the fused output: normalise and rotate them as one
         # [T, H + Hkv, D] tensor (half the per-layer ops of doing q and k apart; same values).
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        qk = qkv[:, : q_size + kv_size].view(t, q_heads + self.num_kv_heads, d)
-        v = qkv[:, q_size + kv_size :]
+        # split_with_sizes: one op for both views (each op costs a dispatch on a CPU decode step).
+        qk, v = qkv.split_with_sizes([q_size + kv_size, self.qkv_proj.v_size], dim=-1)
+        qk = qk.view(t, q_heads + self.num_kv_heads, d)
         if self.qk_norm:
             qk = rms_normalize(qk, self.q_norm.variance_epsilon)  # a new tensor: scaled in place below
             q_w, k_w = self.q_norm.weight, self.k_norm.weight
@@ -151,8 +152,7 @@ class LlamaAttention(nn.Module):
             else:  # weights in another dtype promote the result, as RMSNorm does
                 qk = torch.cat((q_w * qk[:, :q_heads], k_w * qk[:, q_heads:]), dim=1)
         qk = self.rotary_emb.rotate_heads(positions, qk)
-        q = qk[:, :q_heads].reshape(t, q_size)
-        k = qk[:, q_heads:].reshape(t, kv_size)
+        q, k = qk.split_with_sizes([q_heads, self.num_kv_heads], dim=1)  # [T, H, D] / [T, Hkv, D]: attn takes either
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
