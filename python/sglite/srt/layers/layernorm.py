@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from sglite.srt.layers.utils import check_full_shape
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_fp32(value: float) -> torch.Tensor:
+    """A 0-dim fp32 CPU tensor holding ``value`` (made once; a normal tensor even under inference mode)."""
+    with torch.inference_mode(False):
+        return torch.tensor(value, dtype=torch.float32)
 
 
 def rms_normalize(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -20,7 +28,14 @@ def rms_normalize(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = 
     formula with upcast, whose rounding order transformers uses.
     """
     if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
-        scale = torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        if x.device.type == "cpu":
+            # CPU ``mean`` is ``sum`` then ``div_`` by the count, and each Python-scalar operand is first
+            # copied into a tensor (an extra op with an allocation); fp32 0-dim tensors give the same
+            # values (the same kernels run) without those two copies per call.
+            var = torch.mul(x, x).sum(-1, keepdim=True).div_(_cpu_fp32(float(x.shape[-1])))
+            scale = var.add_(_cpu_fp32(eps)).rsqrt_()
+        else:
+            scale = torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_()
         out = torch.mul(x, scale)
         return out if weight is None else out.mul_(weight)
     h = x.to(torch.float32)
