@@ -2,6 +2,10 @@
 
 Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) reuse these classes through two switches,
 ``qkv_bias`` and ``qk_norm``, set by their subclasses in qwen2.py / qwen3.py.
+
+The per-layer submodules are run with ``.forward(...)`` rather than called: nothing registers hooks on
+them, and ``nn.Module.__call__``'s hook checks cost ~1.5 us a call, ~330 calls per decode step, which a
+CPU decode step of a small model pays in full (docs/benchmarks.md, "SmolLM2 decode profile").
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Gated MLP."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -135,7 +139,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Self-attention of the new tokens over their requests' cached keys."""
-        qkv = self.qkv_proj(hidden_states)
+        qkv = self.qkv_proj.forward(hidden_states)
         t, q_heads, d = qkv.shape[0], self.num_heads, self.head_dim
         # q and k heads sit side by side in the fused output: normalise and rotate them as one
         # [T, H + Hkv, D] tensor (half the per-layer ops of doing q and k apart; same values).
@@ -153,7 +157,7 @@ class LlamaAttention(nn.Module):
                 qk = torch.cat((q_w * qk[:, :q_heads], k_w * qk[:, q_heads:]), dim=1)
         qk = self.rotary_emb.rotate_heads(positions, qk)
         q, k = qk.split_with_sizes([q_heads, self.num_kv_heads], dim=1)  # [T, H, D] / [T, Hkv, D]: attn takes either
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return self.o_proj.forward(self.attn.forward(q, k, v, forward_batch))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -192,13 +196,13 @@ class LlamaDecoderLayer(nn.Module):
         """
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.input_layernorm.forward(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm.forward(hidden_states, residual)
+        hidden_states = self.self_attn.forward(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm.forward(hidden_states, residual)
         if dp_layout is None:
-            return self.mlp(hidden_states), residual
+            return self.mlp.forward(hidden_states), residual
         return run_over_all_groups(self.mlp, hidden_states, self.dp_peers, dp_layout), residual
 
 
@@ -243,7 +247,7 @@ class LlamaModel(nn.Module):
         # The layers share one rotary module (get_rope): its cos/sin rows are gathered once per forward.
         with self.layers[0].self_attn.rotary_emb.shared_rows(positions):
             for i, layer in enumerate(self.layers):
-                hidden_states, residual = layer(positions, hidden_states, forward_batch, residual, dp_layout)
+                hidden_states, residual = layer.forward(positions, hidden_states, forward_batch, residual, dp_layout)
                 if capture and i in capture:
                     captured[i] = hidden_states + residual  # the layer's output (DFlash target_layer_ids rule)
         hidden_states, _ = self.norm(hidden_states, residual)
