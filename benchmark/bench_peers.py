@@ -121,7 +121,10 @@ def _make_generator(engine: str, model_dir: str, gguf: Optional[str], threads: i
     if engine == "sglite":
         import sglite
 
-        eng = sglite.Engine(model_path=model_dir, cpu_threads=threads, dtype="float32", log_level="warning")
+        # No prefix cache, as vLLM runs here: the timed 1-token batch would otherwise leave the prompts cached for
+        # the full batch, whose time (minus the 1-token batch's) then understates decoding by a whole prefill.
+        eng = sglite.Engine(model_path=model_dir, cpu_threads=threads, dtype="float32", log_level="warning",
+                            disable_radix_cache=True)
 
         def gen(batch, n):
             sp = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
@@ -279,7 +282,7 @@ def server_cmd(engine: str, model_dir: str, gguf: Optional[str], port: int, thre
     if engine == "sglite":
         return [sys.executable, "-m", "sglite.launch_server", "--model-path", model_dir, "--port", str(port),
                 "--dtype", "float32", "--cpu-threads", str(threads), "--log-level", "warning",
-                "--served-model-name", "default"]
+                "--served-model-name", "default", "--disable-radix-cache"]  # as vLLM's --no-enable-prefix-caching
     if engine == "vllm":
         return [engine_python(engine), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--port", str(port), "--dtype", "float32", "--no-enable-prefix-caching", "--served-model-name", "default"]
