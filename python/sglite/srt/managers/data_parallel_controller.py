@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 from sglite.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    BatchTokenizedGenerateReqInput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -134,6 +135,12 @@ class DataParallelController:
         """A message from the TokenizerManager."""
         if isinstance(msg, TokenizedGenerateReqInput):
             self.send_to_group(self.balancer.assign(msg.rid), msg)
+        elif isinstance(msg, BatchTokenizedGenerateReqInput):
+            by_group: dict[int, list[TokenizedGenerateReqInput]] = {}
+            for req in msg.batch:
+                by_group.setdefault(self.balancer.assign(req.rid), []).append(req)
+            for group, reqs in by_group.items():  # each group still admits its share of the batch together
+                self.send_to_group(group, BatchTokenizedGenerateReqInput(batch=reqs))
         elif isinstance(msg, AbortReq):
             owner = None if msg.abort_all else self.balancer.owner(msg.rid)
             # An unknown rid has finished already (or not arrived): every scheduler treats it as a no-op.

@@ -172,6 +172,17 @@ class TokenizedGenerateReqInput:
 
 
 @dataclass
+class BatchTokenizedGenerateReqInput:
+    """The prompts of one batch request in one message, so the scheduler admits them together (SGLang's name).
+
+    Sent one by one, a batch reaches the scheduler split across its receive polls: the first prompts
+    start decoding and the rest trickle in through mixed steps, which is slower than one prefill.
+    """
+
+    batch: list[TokenizedGenerateReqInput]
+
+
+@dataclass
 class AbortReq:
     """Abort one request (rid) or every request (abort_all); the scheduler frees its slots."""
 

@@ -27,6 +27,7 @@ from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    BatchTokenizedGenerateReqInput,
     FlushCacheReq,
     GetInternalStateReq,
     GetInternalStateReqOutput,
@@ -385,6 +386,9 @@ class Scheduler(
         """Dispatch one incoming message; return a control reply to send back, if any."""
         if isinstance(msg, TokenizedGenerateReqInput):
             self.add_request(msg)
+        elif isinstance(msg, BatchTokenizedGenerateReqInput):
+            for req in msg.batch:
+                self.add_request(req)
         elif isinstance(msg, AbortReq):
             self.abort_request(msg)
         elif isinstance(msg, FlushCacheReq):

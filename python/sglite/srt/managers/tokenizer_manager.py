@@ -22,6 +22,7 @@ import jinja2
 from sglite.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
+    BatchTokenizedGenerateReqInput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -293,7 +294,7 @@ class TokenizerManager:
             tokenized = self.tokenize_request(obj)
         else:
             self._check_rids_free(tokenized)  # all or nothing: a clash must not leave half a batch running
-        states = [self._send(t) for t in tokenized]
+        states = self._send(tokenized)
         if len(states) == 1:
             async for out in self._wait_one(states[0], 0):
                 yield out
@@ -328,15 +329,19 @@ class TokenizerManager:
                 if not st.finished and st.rid in self.rid_to_state:
                     self.abort_request(st.rid)
 
-    def _send(self, req: TokenizedGenerateReqInput) -> ReqState:
-        state = ReqState(
-            rid=req.rid, prompt_tokens=len(req.input_ids), stream=req.stream, created_time=time.time(),
-            return_text_in_logprobs=req.return_text_in_logprobs, input_ids=req.input_ids,
-            logprob_start_len=req.logprob_start_len,
-        )
-        self.rid_to_state[req.rid] = state
-        self.send_to_scheduler.send_pyobj(req)
-        return state
+    def _send(self, reqs: list[TokenizedGenerateReqInput]) -> list[ReqState]:
+        """Register each request's state, then send them as one message (a batch is admitted together)."""
+        states = []
+        for req in reqs:
+            state = ReqState(
+                rid=req.rid, prompt_tokens=len(req.input_ids), stream=req.stream, created_time=time.time(),
+                return_text_in_logprobs=req.return_text_in_logprobs, input_ids=req.input_ids,
+                logprob_start_len=req.logprob_start_len,
+            )
+            self.rid_to_state[req.rid] = state
+            states.append(state)
+        self.send_to_scheduler.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(batch=list(reqs)))
+        return states
 
     async def _wait_one(self, state: ReqState, index: int) -> AsyncIterator[dict[str, Any]]:
         try:

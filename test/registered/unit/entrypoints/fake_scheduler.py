@@ -44,7 +44,7 @@ def run_fake_scheduler(server_args, port_args, rank, world_size, pipe_writer) ->
     import zmq
 
     from sglite.srt.managers.io_struct import (
-        AbortReq, BatchTokenIDOut, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq,
+        AbortReq, BatchTokenIDOut, BatchTokenizedGenerateReqInput, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq,
         GetInternalStateReqOutput, HealthCheckOutput, HealthCheckReq, SchedulerReady,
         TokenizedGenerateReqInput, finish_abort, finish_length, finish_stop,
     )
@@ -73,8 +73,12 @@ def run_fake_scheduler(server_args, port_args, rank, world_size, pipe_writer) ->
 
     while True:
         entries = []
-        while recv.poll(0 if running else 50):
-            msg = recv.recv_pyobj()
+        pending: list = []
+        while pending or recv.poll(0 if running else 50):
+            msg = pending.pop(0) if pending else recv.recv_pyobj()
+            if isinstance(msg, BatchTokenizedGenerateReqInput):
+                pending.extend(msg.batch)
+                continue
             if isinstance(msg, TokenizedGenerateReqInput):
                 if msg.input_ids[:2] == [0, 1]:
                     import os

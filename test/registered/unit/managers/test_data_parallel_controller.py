@@ -10,6 +10,7 @@ from sglite.srt.managers.data_parallel_controller import (
 from sglite.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    BatchTokenizedGenerateReqInput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -54,6 +55,14 @@ def test_round_robin_cycles_groups():
     for i in range(7):
         r.ctrl.handle_request(_req(f"r{i}"))
     assert r.groups_of(TokenizedGenerateReqInput) == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_a_batch_is_split_per_group_and_stays_one_message_per_group():
+    r = Recorder(2, "round_robin")
+    r.ctrl.handle_request(BatchTokenizedGenerateReqInput(batch=[_req(f"r{i}") for i in range(5)]))
+    assert [(d, [q.rid for q in m.batch]) for d, m in r.to_groups] == [(0, ["r0", "r2", "r4"]), (1, ["r1", "r3"])]
+    r.ctrl.handle_request(_req("r5"))  # the balancer counted the batch's requests one by one
+    assert r.to_groups[-1][0] == 1
 
 
 def test_shortest_queue_follows_finishes():

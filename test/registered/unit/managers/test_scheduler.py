@@ -8,7 +8,13 @@ import random
 
 import pytest
 
-from sglite.srt.managers.io_struct import AbortReq, FlushCacheReq, GetInternalStateReq, TokenizedGenerateReqInput
+from sglite.srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenizedGenerateReqInput,
+    FlushCacheReq,
+    GetInternalStateReq,
+    TokenizedGenerateReqInput,
+)
 from sglite.srt.managers.scheduler import Scheduler, SchedulerConfig
 from sglite.srt.sampling.sampling_params import SamplingParams
 from sglite.srt.server_args import ServerArgs
@@ -378,6 +384,19 @@ def test_mixed_chunk_prefill_share_is_bounded_while_requests_decode():
     res = _collect(outs + s.run_until_idle())
     assert res["a"][0] == reference_generate(a, 12, VOCAB, ignore_eos=True)
     assert res["b"][0] == reference_generate(b, 6, VOCAB, ignore_eos=True)
+    _assert_no_leak(s)
+
+
+def test_a_batch_message_is_admitted_in_one_prefill_even_while_others_decode():
+    w = FakeModelWorker(vocab_size=VOCAB)
+    s = _sched(w, chunked_prefill_size=64, enable_mixed_chunk=True, mixed_chunk_prefill_size=64)
+    prompts = _prompts(4, seed=5, lo=10, hi=10)
+    s.handle(BatchTokenizedGenerateReqInput(batch=[_req(f"r{i}", p, max_new=3, ignore_eos=True) for i, p in enumerate(prompts)]))
+    outs = s.step()
+    assert w.batch_sizes == [("prefill", 4)]
+    res = _collect(outs + s.run_until_idle())
+    for i, p in enumerate(prompts):
+        assert res[f"r{i}"][0] == reference_generate(p, 3, VOCAB, ignore_eos=True)
     _assert_no_leak(s)
 
 

@@ -11,6 +11,7 @@ import zmq
 from sglite.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
+    BatchTokenizedGenerateReqInput,
     GenerateReqInput,
     PortArgs,
     SchedulerReady,
@@ -164,6 +165,18 @@ async def test_batch_is_validated_before_anything_is_sent(tm_and_sched):
         async for _ in tm.generate_request(obj):
             pass
     assert recv_all(sched, 100) == []
+
+
+async def test_a_batch_reaches_the_scheduler_as_one_message(tm_and_sched):
+    # One message, so the scheduler admits the whole batch in one prefill instead of across its polls.
+    tm, sched = tm_and_sched
+    task = asyncio.ensure_future(tm.generate_request(GenerateReqInput(input_ids=[[5], [6, 7], [8]], rid=["a", "b", "c"])).__anext__())
+    await asyncio.sleep(0.05)
+    [sent] = recv_all(sched)
+    assert isinstance(sent, BatchTokenizedGenerateReqInput)
+    assert [(r.rid, r.input_ids) for r in sent.batch] == [("a", [5]), ("b", [6, 7]), ("c", [8])]
+    assert set(tm.rid_to_state) == {"a", "b", "c"}
+    task.cancel()
 
 
 async def test_rid_clash_is_rejected_before_sending(tm_and_sched):
