@@ -183,13 +183,13 @@ def _hf_config_dict(header: GGUFHeader) -> dict:
     return config
 
 
-def _gguf_tokenizer(folder: str, name: str, config: object) -> object:
+def _gguf_tokenizer(folder: str, name: str, config_class: type) -> object:
     """The tokenizer ``AutoTokenizer.from_pretrained(folder, gguf_file=name)`` builds, without its second
-    metadata pass: with no tokenizer files beside the GGUF it picks the class by the config's type."""
+    metadata pass: with no tokenizer files beside the GGUF it picks the class by the config's class."""
     from transformers import AutoTokenizer, TokenizersBackend
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-    cls = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    cls = TOKENIZER_MAPPING.get(config_class, TokenizersBackend)
     beside = any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer_config.json", "tokenizer.json"))
     if beside or not (isinstance(cls, type) and issubclass(cls, TokenizersBackend)):
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)  # transformers' own choice, slower
@@ -197,7 +197,7 @@ def _gguf_tokenizer(folder: str, name: str, config: object) -> object:
 
 
 def _write_metadata_dir(gguf_file: str, out: str) -> None:
-    from transformers import CONFIG_MAPPING, AutoConfig
+    from transformers import CONFIG_MAPPING
 
     header = read_gguf_header(gguf_file)
     facts = _file_facts(header)
@@ -208,8 +208,8 @@ def _write_metadata_dir(gguf_file: str, out: str) -> None:
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(_served_config(hf_config.to_dict(), facts), f, indent=2, sort_keys=True)
     if facts.has_tokenizer:  # else --tokenizer-path must name one
-        # AutoTokenizer builds the config it picks a class by with for_model, not from_pretrained.
-        _gguf_tokenizer(folder, name, AutoConfig.for_model(**config_dict)).save_pretrained(out)
+        # AutoTokenizer picks the class by the config's class, the one hf_config already is.
+        _gguf_tokenizer(folder, name, type(hf_config)).save_pretrained(out)
 
 
 __all__ = ["GGUFError", "GGUF_ARCHITECTURES", "find_gguf_file", "gguf_metadata_dir", "resolved_load_format"]
