@@ -28,8 +28,9 @@ SCHEDULE_POLICIES = ("lpm", "fcfs")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 RAGGED_VERIFY_MODES = ("static", "cap-accept")  # SGLang's names (its "compact" packs ragged windows)
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
-# A mixed step on CPU costs its decodes plus ~1.5 ms per prefill token (SmolLM2, one core): 64 tokens keep the
-# gap a prompt adds to ~2x a decode step (docs/benchmarks.md, "Serving stalls").
+# A prompt's prefill on CPU spans several decode steps. A 64-token share per mixed step kept ITL p99/p50 at
+# 2.3-3.2x under Poisson arrivals on SmolLM2 (32: 1.7-1.8x, 256: 5-6x; smaller shares cost TTFT under a
+# burst); docs/benchmarks.md, "Serving stalls".
 CPU_MIXED_CHUNK_PREFILL_SIZE = 64
 
 
