@@ -24,7 +24,12 @@ from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelCon
 from sglite.srt.distributed.bootstrap import simulate_rank
 from sglite.srt.managers.base_model_worker import build_rank_report, format_rank_report
 from sglite.srt.mem_cache.pool_plan import MemoryPlanError, MemoryPoolConfig
-from sglite.srt.model_executor.kv_cache_configurator import GiB, plan_and_build_pools, resolve_model_dtype
+from sglite.srt.model_executor.kv_cache_configurator import (
+    GiB,
+    KVBudgetInputs,
+    plan_and_build_pools,
+    resolve_model_dtype,
+)
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
     DraftResolutionError,
     load_draft_model_config,
@@ -238,10 +243,12 @@ def plan_rank(
                     weights_bytes += estimate_draft_weight_bytes_per_rank(
                         aux.draft_model_config, aux.algorithm, sa.tp_size, par.attn_tp_size
                     )
-        budget = {"pre_model_load_free_bytes": device_memory_bytes, "weights_bytes": weights_bytes} if device == "cuda" else {}
+        budget = KVBudgetInputs()
+        if device == "cuda":
+            budget = KVBudgetInputs(pre_model_load_free_bytes=device_memory_bytes, weights_bytes=weights_bytes)
         planned = plan_and_build_pools(
             sa, model_config, pool_device="meta", model_dtype=model_dtype, spec_aux_config=aux, build_draft=True,
-            with_allocator=False, swa_full_tokens_ratio=swa_full_tokens_ratio, **budget,
+            with_allocator=False, swa_full_tokens_ratio=swa_full_tokens_ratio, budget=budget,
         )
         cfg, allocated = planned.memory_pool_config, planned.allocated_bytes()
         pools = [PoolReport(p.name, p.planned_bytes, allocated.get(p.name, -1)) for p in cfg.planned_pools()]

@@ -72,6 +72,22 @@ def min_across_group(value: int, group: Any) -> int:
     return int(min(group.all_gather_object(int(value))))
 
 
+@dataclass(frozen=True)
+class KVBudgetInputs:
+    """What the KV byte budget is resolved from; every field optional, see ``resolve_budget_bytes``.
+
+    An explicit ``budget_bytes`` wins. On CUDA: ``pre_model_load_free_bytes`` (free memory before the
+    weights load, MIN over ranks) and either ``weights_bytes`` or this rank's
+    ``post_model_load_free_bytes`` (then weights = before - after). ``tp_group`` MIN-reduces the result.
+    """
+
+    budget_bytes: Optional[int] = None
+    pre_model_load_free_bytes: Optional[int] = None
+    weights_bytes: Optional[int] = None
+    post_model_load_free_bytes: Optional[int] = None
+    tp_group: Any = None
+
+
 def compute_device_budget_bytes(pre_model_load_free_bytes: int, weights_bytes: int, mem_fraction_static: float) -> int:
     """KV budget on a device: the static share of the memory free before weights, minus the weights."""
     return int(pre_model_load_free_bytes * mem_fraction_static) - int(weights_bytes)
@@ -107,36 +123,24 @@ class KVCacheConfigurator:
         self.mamba_full_memory_ratio = mamba_full_memory_ratio
 
     # ---------------------------------------------------------------- budget
-    def resolve_budget_bytes(
-        self,
-        *,
-        budget_bytes: Optional[int] = None,
-        pre_model_load_free_bytes: Optional[int] = None,
-        weights_bytes: Optional[int] = None,
-        post_model_load_free_bytes: Optional[int] = None,
-        tp_group: Any = None,
-    ) -> int:
-        """Budget from an explicit value, the CUDA profile, or the CPU flag; MIN over ``tp_group``.
-
-        On CUDA pass the free bytes before weights load (MIN over ranks) and either ``weights_bytes`` or
-        this rank's free bytes after the load (then weights = before - after).
-        """
+    def resolve_budget_bytes(self, inputs: KVBudgetInputs = KVBudgetInputs()) -> int:
+        """Budget from an explicit value, the CUDA profile, or the CPU flag; MIN over ``inputs.tp_group``."""
         sa = self.server_args
+        budget_bytes, weights_bytes = inputs.budget_bytes, inputs.weights_bytes
+        pre_free, post_free = inputs.pre_model_load_free_bytes, inputs.post_model_load_free_bytes
         if budget_bytes is None:
             if torch.device(self.device).type == "cuda":
-                if weights_bytes is None and pre_model_load_free_bytes is not None and post_model_load_free_bytes is not None:
-                    weights_bytes = pre_model_load_free_bytes - post_model_load_free_bytes
-                if pre_model_load_free_bytes is None or weights_bytes is None:
+                if weights_bytes is None and pre_free is not None and post_free is not None:
+                    weights_bytes = pre_free - post_free
+                if pre_free is None or weights_bytes is None:
                     raise MemoryPlanError(
                         "on CUDA the KV budget needs pre_model_load_free_bytes (free memory before weights load, "
                         "MIN over ranks) and weights_bytes or post_model_load_free_bytes"
                     )
-                budget_bytes = compute_device_budget_bytes(
-                    pre_model_load_free_bytes, weights_bytes, sa.mem_fraction_static
-                )
+                budget_bytes = compute_device_budget_bytes(pre_free, weights_bytes, sa.mem_fraction_static)
             else:
                 budget_bytes = int(sa.cpu_kv_cache_budget_mb) * MiB
-        budget_bytes = min_across_group(budget_bytes, tp_group)
+        budget_bytes = min_across_group(budget_bytes, inputs.tp_group)
         if budget_bytes <= 0:
             raise MemoryPlanError(
                 f"no memory left for the KV pools (budget {budget_bytes} B after weights); raise "
@@ -151,15 +155,7 @@ class KVCacheConfigurator:
         return self.spec_aux_config.num_verify_tokens
 
     # ---------------------------------------------------------------- configure
-    def configure(
-        self,
-        *,
-        budget_bytes: Optional[int] = None,
-        pre_model_load_free_bytes: Optional[int] = None,
-        weights_bytes: Optional[int] = None,
-        post_model_load_free_bytes: Optional[int] = None,
-        tp_group: Any = None,
-    ) -> MemoryPoolConfig:
+    def configure(self, budget: KVBudgetInputs = KVBudgetInputs()) -> MemoryPoolConfig:
         """Solve the per-rank plan (target), or return the target's plan verbatim (draft)."""
         if self.is_draft:
             if self.target_memory_pool_config is None:
@@ -171,10 +167,7 @@ class KVCacheConfigurator:
                 f"--speculative-algorithm {sa.speculative_algorithm} but the draft was resolved for {aux.algorithm}; "
                 "call resolve_spec_aux_hidden_state before configuring the pools"
             )
-        budget = self.resolve_budget_bytes(
-            budget_bytes=budget_bytes, pre_model_load_free_bytes=pre_model_load_free_bytes,
-            weights_bytes=weights_bytes, post_model_load_free_bytes=post_model_load_free_bytes, tp_group=tp_group,
-        )
+        budget_bytes = self.resolve_budget_bytes(budget)
         kv_dtype = configure_kv_cache_dtype(sa.kv_cache_dtype, mc, model_dtype=self.model_dtype)
         context_len = int(sa.context_length or mc.max_position_embeddings)
         inputs = ConfiguratorInputs(
@@ -191,9 +184,9 @@ class KVCacheConfigurator:
             mamba_full_memory_ratio=self.mamba_full_memory_ratio,
         )
         conf = create_pool_configurator(inputs)
-        plan = conf.solve(budget, sa.max_total_tokens)
-        if plan.total_bytes() > budget:  # the solver guarantees this; a violation is a bug, not a state
-            raise MemoryPlanError(f"plan {plan.total_bytes()} B exceeds budget {budget} B")
+        plan = conf.solve(budget_bytes, sa.max_total_tokens)
+        if plan.total_bytes() > budget_bytes:  # the solver guarantees this; a violation is a bug, not a state
+            raise MemoryPlanError(f"plan {plan.total_bytes()} B exceeds budget {budget_bytes} B")
         if sa.max_total_tokens is not None and sa.max_total_tokens > plan.max_total_num_tokens:
             logger.warning(
                 "--max-total-tokens %d exceeds what the budget holds; using %d",
@@ -205,7 +198,7 @@ class KVCacheConfigurator:
             max_running_requests=plan.max_running_requests,
             target_cell_bytes=conf.target_cell_bytes(),
             draft_cell_bytes=conf.draft_cell_bytes(),
-            budget_bytes=budget,
+            budget_bytes=budget_bytes,
             page_size=plan.page_size,
             context_len=context_len,
             req_to_token_context_len=plan.req_to_token_context_len,
@@ -366,7 +359,7 @@ def plan_and_build_pools(
     build_draft: bool = False,
     with_allocator: bool = True,
     swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO,
-    **budget: Any,
+    budget: KVBudgetInputs = KVBudgetInputs(),
 ) -> PlannedPools:
     """Resolve the draft's price, solve the plan, build the target's pools (and the draft's, ``build_draft``).
 
@@ -383,7 +376,7 @@ def plan_and_build_pools(
     cfg = KVCacheConfigurator(
         server_args, model_config, aux, model_dtype=model_dtype, device=budget_device,
         swa_full_tokens_ratio=swa_full_tokens_ratio,
-    ).configure(**budget)
+    ).configure(budget)
     target = build_pools(cfg, model_config, device=pool_device, with_allocator=with_allocator)
     draft = None
     if build_draft and aux.has_draft:

@@ -22,6 +22,7 @@ from sglite.srt.layers.cpu_gemm import pack_weights_for_cpu
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.layers.sampler import Sampler
 from sglite.srt.model_executor.kv_cache_configurator import (
+    KVBudgetInputs,
     KVCacheConfigurator,
     build_pools,
     check_plan_matches_rank,
@@ -123,14 +124,15 @@ class ModelRunner:
             )
             self.kv_cache_dtype = self.memory_pool_config.draft_kv_cache_torch_dtype
         else:
-            budget: dict[str, Any] = {"tp_group": get_tp_group()}
+            budget = KVBudgetInputs(tp_group=get_tp_group())
             if self.device.type == "cuda":
-                budget.update(
+                budget = KVBudgetInputs(
+                    tp_group=get_tp_group(),
                     pre_model_load_free_bytes=self._free_bytes_before_load,
                     post_model_load_free_bytes=get_free_device_memory(str(self.device)),
                 )
             planned = plan_and_build_pools(
-                server_args, self.model_config, pool_device=str(self.device), model_dtype=self.dtype, **budget
+                server_args, self.model_config, pool_device=str(self.device), model_dtype=self.dtype, budget=budget
             )
             self.spec_aux_config, self.memory_pool_config = planned.spec_aux_config, planned.memory_pool_config
             pools = planned.target

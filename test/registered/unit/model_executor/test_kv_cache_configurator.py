@@ -20,6 +20,7 @@ from sglite.srt.distributed.bootstrap import simulate_rank
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from sglite.srt.model_executor.kv_cache_configurator import (
     MiB,
+    KVBudgetInputs,
     KVCacheConfigurator,
     build_pools,
     check_plan_matches_rank,
@@ -59,13 +60,13 @@ def _tiny_dflash(tmp_path, num_target_layers=4, kv=2, layers=2):
     return str(p)
 
 
-def _configure(sa, *, budget_kw=None, rank=0):
+def _configure(sa, *, rank=0):
     mc = ModelConfig.from_path(sa.model_path)
     par = ParallelState(sa.tp_size, sa.dp_size, sa.enable_dp_attention, sa.attn_cp_size)
     with scoped(parallel=par):
         simulate_rank(par, rank)
         aux = resolve_spec_aux_hidden_state(sa, mc)
-        cfg = KVCacheConfigurator(sa, mc, aux).configure(**(budget_kw or {}))
+        cfg = KVCacheConfigurator(sa, mc, aux).configure()
         target = build_pools(cfg, mc, device=sa.resolved_device())
         draft = None
         if aux.has_draft:
@@ -190,15 +191,15 @@ def test_cuda_budget_formula_and_min_over_group(tmp_path):
         def all_gather_object(self, obj):
             return [obj, obj - 5 * MiB, obj + 7 * MiB]
 
-    assert conf.resolve_budget_bytes(pre_model_load_free_bytes=40 * MiB, weights_bytes=4 * MiB) == 16 * MiB
-    assert conf.resolve_budget_bytes(pre_model_load_free_bytes=40 * MiB, post_model_load_free_bytes=36 * MiB) == 16 * MiB
-    assert conf.resolve_budget_bytes(pre_model_load_free_bytes=40 * MiB, weights_bytes=4 * MiB,
-                                     tp_group=FakeGroup()) == 11 * MiB
+    assert conf.resolve_budget_bytes(KVBudgetInputs(pre_model_load_free_bytes=40 * MiB, weights_bytes=4 * MiB)) == 16 * MiB
+    assert conf.resolve_budget_bytes(KVBudgetInputs(pre_model_load_free_bytes=40 * MiB, post_model_load_free_bytes=36 * MiB)) == 16 * MiB
+    assert conf.resolve_budget_bytes(KVBudgetInputs(pre_model_load_free_bytes=40 * MiB, weights_bytes=4 * MiB,
+                                                    tp_group=FakeGroup())) == 11 * MiB
     assert min_across_group(5, None) == 5
     with pytest.raises(MemoryPlanError, match="pre_model_load_free_bytes"):
         conf.resolve_budget_bytes()
     with pytest.raises(MemoryPlanError, match="mem-fraction-static"):
-        conf.resolve_budget_bytes(pre_model_load_free_bytes=10 * MiB, weights_bytes=9 * MiB)
+        conf.resolve_budget_bytes(KVBudgetInputs(pre_model_load_free_bytes=10 * MiB, weights_bytes=9 * MiB))
 
 
 def test_a_plan_built_at_another_width_is_refused(tmp_path):

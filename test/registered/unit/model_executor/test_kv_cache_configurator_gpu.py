@@ -12,6 +12,7 @@ from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import simulate_rank
 from sglite.srt.model_executor.kv_cache_configurator import (
     GiB,
+    KVBudgetInputs,
     KVCacheConfigurator,
     build_pools,
     get_free_device_memory,
@@ -41,9 +42,9 @@ def test_cuda_pools_take_exactly_the_plan(kv_dtype):
         simulate_rank(par, 0)
         aux = resolve_spec_aux_hidden_state(sa, target, draft_model_config=draft)
         conf = KVCacheConfigurator(sa, target, aux)
-        budget = conf.resolve_budget_bytes(pre_model_load_free_bytes=min(free, 8 * GiB), weights_bytes=1 * GiB)
+        budget = conf.resolve_budget_bytes(KVBudgetInputs(pre_model_load_free_bytes=min(free, 8 * GiB), weights_bytes=1 * GiB))
         assert budget == int(min(free, 8 * GiB) * 0.5) - GiB
-        cfg = conf.configure(budget_bytes=budget)
+        cfg = conf.configure(KVBudgetInputs(budget_bytes=budget))
         before = torch.cuda.memory_allocated()
         t = build_pools(cfg, target, device="cuda")
         d = build_pools(cfg, draft, device="cuda", is_draft=True, target_pools=t)
