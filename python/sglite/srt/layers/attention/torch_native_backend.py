@@ -183,14 +183,27 @@ class _BatchGroup:
 def _group_requests(spans: RequestSpans, padding_limit: float) -> list[list[int]]:
     """Requests split into padded groups whose score work stays within ``padding_limit`` x the real work.
 
-    Usually one group for the whole batch; a ragged batch (one long sequence among short ones) is cut
-    into groups of similar lengths, taken longest first, so padding never multiplies memory unboundedly.
+    A mixed batch (prompts plus decoding requests, ``--enable-mixed-chunk``) first splits into its
+    one-query requests and the rest, so decoding rows take the decode path (no padding to a prompt's
+    query count) and every row computes exactly what a separate DECODE / EXTEND batch would.
+    Each part is usually one group; a ragged part (one long sequence among short ones) is cut into
+    groups of similar lengths, taken longest first, so padding never multiplies memory unboundedly.
     """
-    n = len(spans.seq_lens)
-    work = [q * s for q, s in zip(spans.extend_lens, spans.seq_lens)]
-    if n * max(spans.extend_lens) * max(spans.seq_lens) <= padding_limit * sum(work):
-        return [list(range(n))]
-    order = sorted(range(n), key=lambda i: (spans.seq_lens[i], spans.extend_lens[i]), reverse=True)
+    decoding = [i for i, q in enumerate(spans.extend_lens) if q == 1]
+    if 0 < len(decoding) < len(spans.extend_lens):
+        prefilling = [i for i, q in enumerate(spans.extend_lens) if q > 1]
+        return _length_groups(spans, prefilling, padding_limit) + _length_groups(spans, decoding, padding_limit)
+    return _length_groups(spans, list(range(len(spans.extend_lens))), padding_limit)
+
+
+def _length_groups(spans: RequestSpans, members: list[int], padding_limit: float) -> list[list[int]]:
+    """``members`` in one group, or cut by length (longest first) where padding would pass ``padding_limit``."""
+    q_lens = [spans.extend_lens[i] for i in members]
+    s_lens = [spans.seq_lens[i] for i in members]
+    work = {i: spans.extend_lens[i] * spans.seq_lens[i] for i in members}
+    if len(members) * max(q_lens) * max(s_lens) <= padding_limit * sum(work.values()):
+        return [members]
+    order = sorted(members, key=lambda i: (spans.seq_lens[i], spans.extend_lens[i]), reverse=True)
     groups: list[list[int]] = []
     cur: list[int] = []
     cur_q = cur_s = cur_work = 0

@@ -12,7 +12,7 @@ from attention_cases import build_case, dense_reference, run_backend
 from sglite.srt.layers.attention.radix_attention import RadixAttention
 from sglite.srt.layers.attention.registry import AttentionBackendError, create_attention_backend
 from sglite.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglite.srt.model_executor.forward_batch_info import ForwardMode
+from sglite.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_BLOCK]
 
@@ -162,3 +162,41 @@ def test_fresh_equal_prompts_take_sdpa_causal_and_equal_dense(sliding_window, gr
     out = run_backend(backend, case)
     assert [g.plain_causal_ok for g in backend._groups] == [True]
     torch.testing.assert_close(out, dense_reference(case, causal=True), atol=1e-5, rtol=1e-5)
+
+
+def _sub_batch(case, mode, members):
+    """The ``members`` requests of ``case`` as their own batch over the same pools and slots (new K/V included)."""
+    fb = case.forward_batch
+    starts = [sum(case.extend_lens[:i]) for i in range(len(case.extend_lens))]
+    tokens = torch.cat([torch.arange(starts[i], starts[i] + case.extend_lens[i]) for i in members])
+    rows = fb.req_pool_indices.tolist()
+    sub = build_forward_batch(
+        mode,
+        [(rows[i], case.prefix_lens[i], [0] * case.extend_lens[i]) for i in members],
+        req_to_token_pool=fb.req_to_token_pool,
+        token_to_kv_pool=fb.token_to_kv_pool,
+        out_cache_loc=fb.out_cache_loc[tokens],
+    )
+    return sub, tokens
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mixed_batch_rows_equal_separate_decode_and_extend_batches(page_size):
+    """--enable-mixed-chunk: prompts plus decoding requests in one EXTEND. The decoding rows take the decode
+    path (never padded to a prompt's query count, even a short one the padding limit would let join) and
+    every row is bit-identical to a separate DECODE / EXTEND batch of the same requests."""
+    prefix = [0, 0, 30, 45, 12, 7, 60, 20, 23]
+    extend = [24, 16, 1, 1, 1, 1, 1, 1, 1]
+    case = build_case(ForwardMode.EXTEND, prefix, extend, page_size=page_size, num_kv_heads=2, group=3, head_dim=16)
+    backend = TorchNativeAttnBackend()
+    mixed = run_backend(backend, case)
+    decoding = list(range(2, 9))
+    assert [g.members for g in backend._groups if g.max_q == 1] == [decoding]
+    assert all(g.max_q > 1 for g in backend._groups if g.members != decoding)
+    torch.testing.assert_close(mixed, dense_reference(case, causal=True), atol=1e-5, rtol=1e-5)
+    for mode, members in ((ForwardMode.DECODE, decoding), (ForwardMode.EXTEND, [0, 1])):
+        sub, tokens = _sub_batch(case, mode, members)
+        sub.attn_backend = alone = TorchNativeAttnBackend()
+        alone.init_forward_metadata(sub)
+        out = case.layer(case.q[tokens], case.k[tokens], case.v[tokens], sub)
+        assert torch.equal(mixed[tokens], out), mode.name
