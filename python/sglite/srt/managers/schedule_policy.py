@@ -55,6 +55,17 @@ class SchedulePolicy:
         return sorted(waiting, key=lambda r: -match_len[id(r)])
 
 
+def mixed_prefill_share(base: int, cap: Optional[int], num_waiting: int, num_decoding: int) -> Optional[int]:
+    """Prefill tokens of one mixed step: ``base`` times waiting-per-decoding request (at least 1x), capped at ``cap``.
+
+    A step's prefill tokens stall each decoding request once and save each waiting one a step of TTFT, so
+    the share grows with the ratio of the two: a trickle (a few waiting, many decoding) keeps the base
+    share's ITL bound, a burst (a queue, few decoding) is admitted in a few steps. ``cap`` None = unbounded.
+    """
+    share = base * max(1, num_waiting // max(1, num_decoding))
+    return share if cap is None else min(share, cap)
+
+
 def decode_reserve(req: Req, new_token_ratio: float) -> int:
     """KV slots to keep free for ``req``'s future decode tokens: a fraction of its remaining budget."""
     remaining = max(0, req.sampling_params.max_new_tokens - len(req.output_ids))

@@ -42,6 +42,7 @@ from sglite.srt.managers.schedule_policy import (
     PrefillBudget,
     SchedulePolicy,
     decode_reserve,
+    mixed_prefill_share,
     prefix_key,
 )
 from sglite.srt.managers.scheduler_dp_attn_mixin import SchedulerDPAttentionMixin
@@ -124,6 +125,8 @@ class Scheduler(
         self.enable_mixed_chunk = server_args.resolved_enable_mixed_chunk() and not worker.is_speculative
         # While requests decode, each step's prefill share is small, so a prompt adds a bounded gap per step.
         self.mixed_chunk_prefill_size = server_args.resolved_mixed_chunk_prefill_size()
+        # Unless the flag fixes it, the share grows under a burst (schedule_policy.mixed_prefill_share).
+        self.mixed_chunk_share_adapts = server_args.mixed_chunk_prefill_size is None
 
     def init_memory_pool_and_cache(self) -> None:
         """The worker's pools, the prefix cache over them, and the schedule policy."""
@@ -281,8 +284,12 @@ class Scheduler(
         if mix and chunk_budget is not None:
             chunk_budget = max(0, chunk_budget - len(self.running))  # decoding tokens share the forward
         if mix and self.mixed_chunk_prefill_size is not None:
-            mixed = self.mixed_chunk_prefill_size
-            chunk_budget = mixed if chunk_budget is None else min(chunk_budget, mixed)
+            base = self.mixed_chunk_prefill_size
+            if self.mixed_chunk_share_adapts:
+                waiting = len(self.waiting_queue) + (self.chunked_req is not None)
+                chunk_budget = mixed_prefill_share(base, chunk_budget, waiting, len(self.running))
+            else:
+                chunk_budget = base if chunk_budget is None else min(chunk_budget, base)
         budget = PrefillBudget(
             rem_kv_tokens=0,  # set per offer below: the evictable size moves as prefixes get locked
             rem_chunk_tokens=chunk_budget,

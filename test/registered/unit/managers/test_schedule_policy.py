@@ -3,7 +3,7 @@
 import pytest
 
 from sglite.srt.managers.schedule_batch import Req
-from sglite.srt.managers.schedule_policy import AddResult, PrefillBudget, SchedulePolicy
+from sglite.srt.managers.schedule_policy import AddResult, PrefillBudget, SchedulePolicy, mixed_prefill_share
 from sglite.srt.mem_cache.paging import pages_needed
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglite.srt.mem_cache.radix_cache import RadixCache
@@ -64,3 +64,20 @@ def test_lpm_orders_by_cached_prefix_fcfs_keeps_arrival():
     assert [r.rid for r in SchedulePolicy("lpm", cache, True).order(waiting)] == ["hot", "warm", "cold"]
     assert [r.rid for r in SchedulePolicy("fcfs", cache, True).order(waiting)] == ["cold", "warm", "hot"]
     assert [r.rid for r in SchedulePolicy("lpm", cache, False).order(waiting)] == ["cold", "warm", "hot"]
+
+
+@pytest.mark.parametrize(
+    "waiting,decoding,cap,share",
+    [
+        (0, 5, 2048, 64),  # nothing queued: the base share
+        (2, 10, 2048, 64),  # a trickle: fewer waiting than decoding keeps the base ITL bound
+        (9, 10, 2048, 64),
+        (10, 10, 2048, 64),  # one waiting per decoding request: still 1x
+        (20, 10, 2048, 128),  # a burst: base times waiting-per-decoding (floored)
+        (30, 2, 2048, 960),
+        (30, 2, 500, 500),  # never past the forward's chunk budget
+        (30, 0, None, 1920),  # chunking off: unbounded; no decoding request counts as one
+    ],
+)
+def test_mixed_prefill_share_scales_with_waiting_per_decoding(waiting, decoding, cap, share):
+    assert mixed_prefill_share(64, cap, waiting, decoding) == share

@@ -387,6 +387,39 @@ def test_mixed_chunk_prefill_share_is_bounded_while_requests_decode():
     _assert_no_leak(s)
 
 
+def _mixed_step_prefill_tokens(s, w, prompts, decoding):
+    """Start ``decoding`` requests, queue ``prompts``, run one mixed step; return the prefill tokens it carried."""
+    for i in range(decoding):
+        s.add_request(_req(f"d{i}", [5 + i, 6, 7], max_new=40, ignore_eos=True))
+    s.step()
+    assert len(s.running) == decoding
+    for i, p in enumerate(prompts):
+        s.add_request(_req(f"p{i}", p, max_new=3, ignore_eos=True))
+    before = s.allocator.available_size()
+    s.step()
+    assert w.batch_sizes[-1][0] == "prefill"
+    return before - s.allocator.available_size() - decoding
+
+
+def test_default_mixed_share_grows_when_more_requests_wait_than_decode():
+    # CPU default (no --mixed-chunk-prefill-size): base 64 tokens times waiting-per-decoding requests.
+    prompts = _prompts(6, seed=8, lo=40, hi=40)
+    burst = _sched(w := FakeModelWorker(max_total_num_tokens=2048, vocab_size=VOCAB, max_running_requests=32),
+                   device="cpu", chunked_prefill_size=2048)
+    assert burst.mixed_chunk_share_adapts and burst.mixed_chunk_prefill_size == 64
+    assert _mixed_step_prefill_tokens(burst, w, prompts, decoding=1) == 6 * 40  # share 6 * 64: the whole queue
+    trickle = _sched(w := FakeModelWorker(max_total_num_tokens=2048, vocab_size=VOCAB, max_running_requests=32),
+                     device="cpu", chunked_prefill_size=2048)
+    assert _mixed_step_prefill_tokens(trickle, w, prompts[:2], decoding=4) == 64  # fewer waiting than decoding
+    fixed = _sched(w := FakeModelWorker(max_total_num_tokens=2048, vocab_size=VOCAB, max_running_requests=32),
+                   device="cpu", chunked_prefill_size=2048, mixed_chunk_prefill_size=64)
+    assert not fixed.mixed_chunk_share_adapts
+    assert _mixed_step_prefill_tokens(fixed, w, prompts, decoding=1) == 64  # an explicit flag is a fixed share
+    for s in (burst, trickle, fixed):
+        s.run_until_idle()
+        _assert_no_leak(s)
+
+
 def test_a_batch_message_is_admitted_in_one_prefill_even_while_others_decode():
     w = FakeModelWorker(vocab_size=VOCAB)
     s = _sched(w, chunked_prefill_size=64, enable_mixed_chunk=True, mixed_chunk_prefill_size=64)
