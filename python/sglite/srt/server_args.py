@@ -29,8 +29,10 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 RAGGED_VERIFY_MODES = ("static", "cap-accept")  # SGLang's names (its "compact" packs ragged windows)
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 # A prompt's prefill on CPU spans several decode steps. A 64-token share per mixed step kept ITL p99/p50 at
-# 2.3-3.2x under Poisson arrivals on SmolLM2 (32: 1.7-1.8x, 256: 5-6x; smaller shares cost TTFT under a
-# burst); docs/benchmarks.md, "Serving stalls".
+# 2.3-3.2x under Poisson arrivals on SmolLM2 (32: 1.7-1.8x, 256: 5-6x); docs/benchmarks.md, "Serving stalls".
+# Under a burst, two prompts a step put TTFT p99 at 5.9 s at concurrency 32, so the default share grows with
+# waiting-per-decoding requests (schedule_policy.mixed_prefill_share): TTFT p99 5.2-5.5 -> 2.9-3.6 CPU s in a
+# replay, Poisson ITL p99/p50 unchanged (docs/benchmarks.md, "Mixed steps").
 CPU_MIXED_CHUNK_PREFILL_SIZE = 64
 
 
@@ -114,7 +116,8 @@ class ServerArgs:
     )
     mixed_chunk_prefill_size: Optional[int] = _opt(
         "Prefill tokens a mixed batch carries besides its decoding requests: bounds the inter-token gap a prompt "
-        f"adds. Default: {CPU_MIXED_CHUNK_PREFILL_SIZE} on CPU, --chunked-prefill-size on CUDA"
+        f"adds. Default: {CPU_MIXED_CHUNK_PREFILL_SIZE} on CPU, times the waiting requests per decoding one (rounded "
+        "down, at least 1: grows under a burst); --chunked-prefill-size on CUDA. Set, it is a fixed share"
     )
     disable_radix_cache: bool = _opt("Disable the radix prefix cache", False)
     attention_backend: Optional[str] = _opt("Attention backend; default: triton on CUDA, torch_native on CPU", None, ATTENTION_BACKENDS)
