@@ -1,0 +1,74 @@
+"""The default draft's training script (scripts/train_default_draft.py): the distillation loss's Gram identity,
+the alignment of the target's final hidden states with the block slots, and the feature-scale fold into fc."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SUITE = "unit-cpu"
+EST_TIME = 5
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("train_default_draft", REPO / "scripts" / "train_default_draft.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_default_draft"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gram_gives_the_mean_squared_centred_logit_error(script):
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(500, 16, generator=g, dtype=torch.float64)
+    h_draft, h_target = torch.randn(3, 16, generator=g, dtype=torch.float64), torch.randn(3, 16, generator=g, dtype=torch.float64)
+    dz = (h_draft - h_target) @ head.T
+    dz = dz - dz.mean(-1, keepdim=True)  # softmax ignores a common shift of the logits
+    d = h_draft - h_target
+    gram = script.centred_head_gram(head)
+    torch.testing.assert_close(((d @ gram) * d).sum(-1), dz.pow(2).mean(-1))
+
+
+def _data(script, H, lens, prompt_len):
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randn(n, 4 * H + H, generator=g) for n in lens]
+    # the final-hidden columns hold their own position, so the gathered values name the position they came from
+    for f in rows:
+        f[:, -H:] = torch.arange(f.shape[0], dtype=torch.float32)[:, None]
+    tokens = [torch.randint(5, 100, (n,), generator=g) for n in lens]
+    return script.DraftData(tokens=tokens, features=rows, prompt_lens=[prompt_len] * len(lens), valid_lens=list(lens))
+
+
+def test_block_slot_j_gets_the_target_final_hidden_at_anchor_plus_j_minus_1(script):
+    H, B = 4, 8
+    cfg = script.DraftConfig(block_size=B, blocks_per_seq=3, draft_batch_size=2)
+    data = _data(script, H, [30, 24], prompt_len=5)
+    batch = script.sample_draft_batch(data, cfg, 0, torch.Generator().manual_seed(2))
+    ctx, finals = script.block_targets(batch, B, H)
+    T = ctx.shape[1]
+    assert ctx.shape[-1] == 4 * H
+    anchors = batch.position_ids[:, T::B]
+    for n in range(2):
+        for k in range(3):
+            for j in range(1, B):
+                if batch.labels[n, k, j - 1] >= 0:
+                    assert finals[n, k, j - 1, 0].item() == anchors[n, k].item() + j - 1
+
+
+def test_feature_scale_folds_into_fc(script):
+    H = 4
+    data = _data(script, H, [12, 9], prompt_len=2)
+    scale = script.feature_rms_scale(data, 4 * H)
+    scaled = script.scale_features(data, scale)
+    fc = torch.nn.Linear(4 * H, H, bias=False)
+    x_raw, x_scaled = data.features[0][:, : 4 * H], scaled.features[0][:, : 4 * H]
+    torch.testing.assert_close(scaled.features[0][:, 4 * H :], data.features[0][:, 4 * H :])  # finals untouched
+    expected = fc(x_scaled)
+    with torch.no_grad():
+        fc.weight.mul_(scale)
+    torch.testing.assert_close(fc(x_raw), expected, rtol=1e-4, atol=1e-4)
