@@ -701,6 +701,110 @@ def test_adaptive_policy_measures_and_stays_lossless(trained):
     assert sched.spec_drafted_steps >= 3 and sched.spec_draft_free_steps >= 1
 
 
+def _draft_kv_of(worker, req):
+    """The draft pool's K and V of every layer at the request's committed positions (copies)."""
+    slots = worker.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
+    pool = worker.draft_runner.token_to_kv_pool
+    return [t[slots].clone() for i in range(len(worker.draft_model.layers)) for t in pool.get_kv_buffer(i)]
+
+
+def _pause_and_resume(target_dir, draft_dir, prompt, pattern, max_new):
+    """One request through a scripted drafted / draft-free pattern: output ids, tokens per step, the deferred
+    rows seen before each step, and the draft K/V of its committed positions when the first resumed block runs."""
+    with spec_scheduler(target_dir, draft_dir, speculative_adaptive=True) as (sched, worker):
+        worker.adaptive = ScriptedPolicy(pattern)
+        pending, snapshot = [], {}
+        with_draft = worker._decode_with_draft
+
+        def spy(batch, slots):
+            if "kv" not in snapshot and worker.adaptive.asked > pattern.index(False):
+                snapshot["kv"] = _draft_kv_of(worker, batch.reqs[0])
+            return with_draft(batch, slots)
+
+        worker._decode_with_draft = spy
+        sched.add_request(TokenizedGenerateReqInput(rid="a", input_text=None, input_ids=list(prompt),
+                                                    sampling_params=greedy(max_new), stream=True))
+        ids, steps = [], []
+        while sched.has_work():
+            pending.append(worker._deferred_rows)
+            for msg in sched.step():
+                ids.extend(msg.output_ids[0])
+                steps.append(len(msg.output_ids[0]))
+    return ids, steps, pending, snapshot["kv"]
+
+
+def test_draft_free_steps_defer_the_draft_context_and_a_resumed_block_sees_it_complete(trained, monkeypatch):
+    """Draft-free steps only keep their feature rows; the drafted step that follows writes them in one pass
+    first. Output, per-step acceptance and the draft K/V the resumed block reads equal a run that writes the
+    context K/V every step (MAX_DEFERRED_CONTEXT_ROWS = 1), and the output is target-only greedy decoding."""
+    import sglite.srt.speculative.dflash_worker as dw
+
+    target_dir, tr, target, draft = trained
+    prompt, max_new = tr.prompts[0], 30
+    pattern = [True, True] + [False] * 8 + [True] * 40
+    ids, steps, pending, kv = _pause_and_resume(target_dir, tr.draft_dir, prompt, pattern, max_new)
+    monkeypatch.setattr(dw, "MAX_DEFERRED_CONTEXT_ROWS", 1)
+    ids_eager, steps_eager, pending_eager, kv_eager = _pause_and_resume(target_dir, tr.draft_dir, prompt, pattern, max_new)
+    assert ids == ids_eager == target_greedy(target, prompt, max_new)
+    assert steps == steps_eager and max(steps[1 + 10:]) > 1  # the resumed draft is accepted again
+    # Before step k (prefill first, two drafted steps), k - 3 draft-free steps' rows wait, up to all 8 before
+    # the resumed step, which writes them first; the eager run keeps none.
+    assert pending[3:12] == list(range(9)) and pending[12:] == [0] * len(pending[12:]) and set(pending_eager) == {0}
+    assert len(kv) == len(kv_eager) > 0
+    for a, b in zip(kv, kv_eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _kv_at_first_block(worker):
+    """Spy: the draft K/V of the first request's committed positions when the worker's first drafted block runs."""
+    seen = {}
+    with_draft = worker._decode_with_draft
+
+    def spy(batch, slots):
+        seen.setdefault("kv", _draft_kv_of(worker, batch.reqs[0]))
+        return with_draft(batch, slots)
+
+    worker._decode_with_draft = spy
+    return seen
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_deferred_context_is_written_before_its_slots_are_reused(trained, radix):
+    """A request that ends on draft-free steps leaves feature rows deferred. A second request either extends
+    it and shares those cached slots (radix), or has another prompt and gets the freed slots back from the
+    allocator (no cache: the stale rows must not overwrite its prompt's context K/V); either way the catch-up
+    runs before its prefill writes anything, so the draft K/V its first block reads equals that of the same
+    request on a fresh server, and its per-step acceptance equals the reference loop's."""
+    target_dir, tr, target, draft = trained
+    base = tr.prompts[7]
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True, disable_radix_cache=not radix) as (sched, worker):
+        worker.adaptive = ScriptedPolicy([False])
+        first = generate(sched, [base], [greedy(12)], rid_prefix="a")
+        assert worker._deferred_rows > 0  # the finished request's last rows still wait
+        alloc = sched.allocator
+        if not radix:  # hand its freed K/V slots (the last free) out first, as the allocator does once it cycles
+            freed = alloc._released[::-1] + [alloc._free_pages]
+            alloc._free_pages, alloc._released, alloc._num_released = torch.cat(freed), [], 0
+        worker.adaptive = ScriptedPolicy([True])
+        extended = base + first.ids["a0"][:10] if radix else tr.prompts[2] + tr.prompts[3] + tr.prompts[4]
+        # Without the cache its prompt covers every slot the first request held.
+        assert radix or len(extended) > len(base) + 12
+        seen = _kv_at_first_block(worker)
+        second = generate(sched, [extended], [greedy(16)], rid_prefix="b")
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True) as (sched, worker):
+        worker.adaptive = ScriptedPolicy([True])
+        fresh = _kv_at_first_block(worker)
+        alone = generate(sched, [extended], [greedy(16)], rid_prefix="b")
+    assert first.ids["a0"] == target_greedy(target, base, 12)
+    assert second.cached["b0"] >= len(base) + 8 if radix else second.cached["b0"] == 0
+    assert second.ids["b0"] == alone.ids["b0"]
+    ref_ids, ref_lens = reference_block_generate(draft, target, extended, 16)
+    assert second.ids["b0"] == ref_ids and second.steps["b0"][1:] == ref_lens
+    assert len(seen["kv"]) == len(fresh["kv"]) > 0
+    for a, b in zip(seen["kv"], fresh["kv"]):  # (radix: the shared rows came from decode forwards, not a prefill)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_disable_by_batch_size_needs_a_block_draft():
     from sglite.srt.server_args import ServerArgsError
 
