@@ -75,6 +75,14 @@ class BaseModelWorker(ABC):
         self._last_sampling = (params, info)
         return info
 
+    def mixes_decode(self, num_running: int) -> bool:
+        """Whether num_running decoding requests may take one token each inside a prefill EXTEND (mixed chunk).
+
+        A plain worker's decode step is that same one-token forward; a speculative worker says per step
+        (``DFlashWorker``: only while its decode steps would skip the draft anyway).
+        """
+        return not self.is_speculative
+
     @abstractmethod
     def forward_prefill(self, batch: "ScheduleBatch") -> list[list[int]]:
         """Run the prefill; return one sampled token per request (ignored for unfinished chunks)."""

@@ -120,9 +120,9 @@ class Scheduler(
         self.chunked_prefill_size: Optional[int] = (
             None if server_args.chunked_prefill_size in (None, -1) else int(server_args.chunked_prefill_size)
         )
-        # Mixed batches put each decoding request's newest token into the prefill EXTEND; a speculative
-        # worker needs its own decode forward, so it never mixes.
-        self.enable_mixed_chunk = server_args.resolved_enable_mixed_chunk() and not worker.is_speculative
+        # Mixed batches put each decoding request's newest token into the prefill EXTEND; the worker says
+        # per step whether that fits its decode (a speculative one: only while it would not draft).
+        self.enable_mixed_chunk = server_args.resolved_enable_mixed_chunk()
         # While requests decode, each step's prefill share is small, so a prompt adds a bounded gap per step.
         self.mixed_chunk_prefill_size = server_args.resolved_mixed_chunk_prefill_size()
         # Unless the flag fixes it, the share grows under a burst (schedule_policy.mixed_prefill_share).
@@ -279,7 +279,7 @@ class Scheduler(
         # Running requests keep room for their next decode step and a share of their remaining tokens.
         running_reserve = sum(decode_reserve(r, self.new_token_ratio) for r in self.running)
         running_reserve += len(self.running) * self.worker.num_decode_tokens_per_req
-        mix = self.enable_mixed_chunk and bool(self.running)
+        mix = self.enable_mixed_chunk and bool(self.running) and self.worker.mixes_decode(len(self.running))
         chunk_budget = self.chunked_prefill_size
         if mix and chunk_budget is not None:
             chunk_budget = max(0, chunk_budget - len(self.running))  # decoding tokens share the forward

@@ -26,6 +26,7 @@ class SchedulerOutputProcessorMixin:
         if len(results) != batch.batch_size:
             raise RuntimeError(f"worker returned {len(results)} results for {batch.batch_size} requests")
         decoding = {id(r) for r in self.running}  # requests mixed in with one decode token each
+        mixed_spec = False
         for i, (req, n, tokens) in enumerate(zip(batch.reqs, batch.extend_lens, results)):
             req.kv_len += n
             if req.kv_len < req.seq_len:
@@ -43,12 +44,19 @@ class SchedulerOutputProcessorMixin:
                     self.running.remove(req)
                 self._fail_request(req, e)
                 continue
+            if id(req) in decoding and self.worker.is_speculative:
+                # A speculative worker mixes only while it would skip the draft: a draft-free step of one token.
+                req.spec_verify_ct += 1
+                req.spec_accepted_tokens += kept
+                mixed_spec = True
             if req.finished:
                 if id(req) in decoding:
                     self.running.remove(req)
                 self._release(req)
             elif id(req) not in decoding:
                 self.running.append(req)
+        if mixed_spec:
+            self.count_spec_step(False)
 
     def process_batch_result_decode(self: "Scheduler", batch: ScheduleBatch, results: list[list[int]]) -> None:
         """Keep each request's accepted tokens, free the slots of the rest, release finished requests."""

@@ -130,6 +130,11 @@ class AdaptiveSpeculation:
             raise ValueError(f"bucket {bucket_of(batch_size)} has not measured both kinds of step yet")
         return self.tokens * b.t_plain / b.t_draft
 
+    def drafting_off(self, batch_size: int) -> bool:
+        """Whether this batch size's bucket has chosen draft-free steps (read-only: creates no bucket, counts no step)."""
+        b = self.buckets.get(bucket_of(batch_size))
+        return b is not None and b.drafting is False
+
     def should_draft(self, batch_size: int) -> bool:
         """Whether the next decode step of batch_size requests should run the draft (creates its bucket)."""
         b = self._bucket(batch_size)

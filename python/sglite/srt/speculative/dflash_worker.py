@@ -198,7 +198,11 @@ class DFlashWorker(BaseModelWorker):
     # floats and writes into pools allocated outside leave a step.
     @torch.inference_mode()
     def forward_prefill(self, batch: ScheduleBatch) -> list[list[int]]:
-        """Target EXTEND with aux capture, draft context KV at the target's slots, one sampled token each."""
+        """Target EXTEND with aux capture, draft context KV at the target's slots, one sampled token each.
+
+        Running requests may decode inside it (mixed chunk, one token each, see ``mixes_decode``): for them
+        it is a draft-free step whose context K/V is written at once.
+        """
         self.flush_draft_context()  # this batch may share a prefix with, or reuse the slots of, deferred rows
         fb = batch.to_forward_batch(
             self.target_runner.token_to_kv_pool,
@@ -240,6 +244,18 @@ class DFlashWorker(BaseModelWorker):
         tokens_per_req = 1.0 + sum(self.last_step.accept_lens) / bs if drafted else 1.0
         self.adaptive.record(bs, drafted, max(seconds, 1e-9), tokens_per_req)
         return out
+
+    def mixes_decode(self, num_running: int) -> bool:
+        """Whether running requests may decode inside a prefill: only while their decode steps skip the draft.
+
+        A mixed forward gives each of them one token, a draft-free step; while drafting pays, the scheduler
+        keeps them out so their next decode step drafts.
+        """
+        if self.prefill_only or num_running < 1:
+            return False
+        if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
+            return True
+        return self.adaptive is not None and self.adaptive.drafting_off(num_running)
 
     @torch.inference_mode()
     def flush_draft_context(self) -> None:

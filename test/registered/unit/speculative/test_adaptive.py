@@ -187,6 +187,22 @@ def test_same_timings_give_the_same_decisions():
     assert runs[0] == runs[1] and True in runs[0][6:] and False in runs[0][6:]
 
 
+def test_drafting_off_reads_the_choice_without_changing_it():
+    """The scheduler's mixed-chunk question: True only for a bucket that chose draft-free steps; asking
+    neither creates a bucket nor counts toward a probe."""
+    p = AdaptiveSpeculation(CFG)
+    assert not p.drafting_off(1) and not p.buckets
+    drive(p, 1, 3, t_draft=0.15, tokens=1.3, t_plain=0.10)
+    assert not p.drafting_off(1)  # measuring
+    drive(p, 1, 3, t_draft=0.15, tokens=1.3, t_plain=0.10)
+    since = p.buckets[1].since_probe
+    assert p.drafting_off(1) and p.drafting_off(1) and p.buckets[1].since_probe == since
+    assert not p.drafting_off(2) and 2 not in p.buckets  # a bucket nobody decoded in has no choice yet
+    q = AdaptiveSpeculation(CFG)
+    drive(q, 1, 6, t_draft=0.15, tokens=3.0, t_plain=0.10)
+    assert q.buckets[1].drafting is True and not q.drafting_off(1)
+
+
 def test_bad_input_is_a_clear_error():
     p = AdaptiveSpeculation(CFG)
     for seconds in (0.0, -1.0, float("nan"), float("inf")):

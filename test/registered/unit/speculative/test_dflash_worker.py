@@ -640,8 +640,11 @@ def test_disable_by_batch_size_crosses_both_ways_and_stays_lossless(trained):
 class ScriptedPolicy:
     """Stands in for AdaptiveSpeculation: a fixed drafted / draft-free pattern, and the steps reported back."""
 
-    def __init__(self, pattern):
-        self.pattern, self.asked, self.records = pattern, 0, []
+    def __init__(self, pattern, off=False):
+        self.pattern, self.asked, self.records, self.off = pattern, 0, [], off
+
+    def drafting_off(self, batch_size):
+        return self.off
 
     def should_draft(self, batch_size):
         self.asked += 1
@@ -803,6 +806,46 @@ def test_deferred_context_is_written_before_its_slots_are_reused(trained, radix)
     assert len(seen["kv"]) == len(fresh["kv"]) > 0
     for a, b in zip(seen["kv"], fresh["kv"]):  # (radix: the shared rows came from decode forwards, not a prefill)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("off", [True, False])
+def test_running_requests_mix_into_a_prefill_only_while_drafting_is_off(trained, off):
+    """CPU mixed chunks on a DFLASH worker: while the policy has drafting off, a decoding request takes its
+    token inside the next prompt's prefill (as a plain server); while it drafts, it waits for its own drafted
+    step. Greedy output is the target's either way."""
+    target_dir, tr, target, _ = trained
+    prompt_a, prompt_b = tr.prompts[0], tr.prompts[5]
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True) as (sched, worker):
+        assert sched.enable_mixed_chunk  # the CPU default
+        worker.adaptive = ScriptedPolicy([not off], off=off)
+        prefill = worker.forward_prefill
+        prefill_sizes = []
+
+        def spy(batch):
+            prefill_sizes.append(batch.batch_size)
+            return prefill(batch)
+
+        worker.forward_prefill = spy
+        ids: dict[str, list[int]] = {}
+        verify_ct: dict[str, int] = {}
+        for n in range(10000):
+            if n == 3:
+                sched.add_request(TokenizedGenerateReqInput(rid="b", input_text=None, input_ids=list(prompt_b),
+                                                            sampling_params=greedy(12), stream=True))
+            if n == 0:
+                sched.add_request(TokenizedGenerateReqInput(rid="a", input_text=None, input_ids=list(prompt_a),
+                                                            sampling_params=greedy(24), stream=True))
+            if n > 0 and not sched.has_work():
+                break
+            for msg in sched.step():
+                for j, rid in enumerate(msg.rids):
+                    ids.setdefault(rid, []).extend(msg.output_ids[j])
+                    verify_ct[rid] = msg.spec_verify_ct[j]
+        draft_free_steps = sched.spec_draft_free_steps
+    assert ids["a"] == target_greedy(target, prompt_a, 24) and ids["b"] == target_greedy(target, prompt_b, 12)
+    assert prefill_sizes == ([1, 2] if off else [1, 1])  # b's prefill carried a's decode token only when off
+    if off:  # the mixed-in token counts as a's draft-free step: one step per token after the first
+        assert verify_ct == {"a": 23, "b": 11} and draft_free_steps == 23
 
 
 def test_disable_by_batch_size_needs_a_block_draft():
