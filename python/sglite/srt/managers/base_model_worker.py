@@ -83,6 +83,9 @@ class BaseModelWorker(ABC):
         """
         return not self.is_speculative
 
+    def flush_deferred_kv(self) -> None:
+        """Write any K/V the worker deferred (none here); the scheduler calls it before a request's slots change hands."""
+
     @abstractmethod
     def forward_prefill(self, batch: "ScheduleBatch") -> list[list[int]]:
         """Run the prefill; return one sampled token per request (ignored for unfinished chunks)."""

@@ -37,6 +37,7 @@ class SchedulerMemoryMixin:
 
     def _retract(self: "Scheduler", req: Req) -> None:
         """Free a request's own KV and its row, unlock its prefix, and requeue it at the front."""
+        self.worker.flush_deferred_kv()  # K/V a worker deferred must land before the slots change hands
         self._free_positions(req, req.prefix_len, req.kv_len)
         self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
@@ -51,6 +52,7 @@ class SchedulerMemoryMixin:
         """Hand a finished/aborted request's KV to the prefix cache and free its row."""
         if req.req_pool_idx is None:
             return
+        self.worker.flush_deferred_kv()  # K/V a worker deferred must land before the slots change hands
         row = req.req_pool_idx
         indices = self.req_to_token_pool.req_to_token[row, : req.kv_len].to(torch.int64).clone()
         self.tree_cache.cache_finished_req(req.all_token_ids[: req.kv_len], indices, req.prefix_len, req.last_node)

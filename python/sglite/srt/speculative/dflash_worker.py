@@ -18,15 +18,14 @@ scheduler allocated at positions ``[P, P+W)``:
 
 With ``--speculative-disable-by-batch-size N`` a decode step of N or more requests skips the draft: the
 target decodes ``c`` alone in ``S[0]`` (capturing its features) and returns one token, as a step that
-accepted no draft would. The features' draft context K/V is deferred: consecutive draft-free steps over
-the same requests only keep their feature rows, and one batched ``write_context_kv`` catches the draft
-pool up (one GEMM of many rows instead of one per step: the per-step write was ~2.5% of a draft-free
-step of the default pair on CPU). The catch-up runs before any forward that could read those slots or
-reuse them: a drafted step, a prefill (a radix-shared prefix, a freed slot handed to a new prompt), any
-decode step whose requests differ (one finished or was retracted, so its slots may be freed), and once
-``MAX_DEFERRED_CONTEXT_ROWS`` rows wait (a bound on the memory they hold). Between forwards nothing reads
-the draft pool, so drafting can still resume at any step with a complete context. A verify block costs about W target tokens of compute per request;
-once the batch is large enough that the target's forward is compute-bound, plain decoding is cheaper.
+accepted no draft would. The features' draft context K/V is deferred: draft-free steps only keep their
+feature rows, and one batched ``write_context_kv`` catches the draft pool up (one GEMM of many rows instead
+of one per step: the per-step write was ~2.5% of a draft-free step of the default pair on CPU). The
+catch-up (``flush_deferred_kv``) runs before a drafted step (the block reads the context), once
+``MAX_DEFERRED_CONTEXT_ROWS`` rows wait (a bound on the memory they hold), and whenever the scheduler is
+about to release or retract a request (its slots may then be cached for a shared prefix, freed and handed
+to a new prompt, or filled by a PD transfer). So the waiting rows always belong to slots that running
+requests hold, and nothing else reads or writes those slots' draft K/V in the meantime.
 With ``--speculative-adaptive`` the same draft-free step is chosen by a measured cost model instead
 (``speculative/adaptive.py``: per batch-size bucket, drafted vs plain tokens per second); the batch-size
 cap, when set, still wins.
@@ -186,11 +185,9 @@ class DFlashWorker(BaseModelWorker):
         self.sampler = Sampler(seed=random_seed)
         self._verify_generator = torch.Generator(device=self.device).manual_seed(random_seed)
         self.last_step: Optional[DFlashStepStats] = None
-        # Draft-free steps' (features, positions, slots) whose draft context K/V is not written yet, and the
-        # requests (held, so identity cannot be reused) and rows they belong to (module docstring).
+        # Draft-free steps' (features, positions, slots) whose draft context K/V is not written yet (module docstring).
         self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._deferred_rows = 0
-        self._deferred_owner: Optional[tuple[list[Any], list[int]]] = None
 
     # ------------------------------------------------------------------ seam
     # inference_mode, as TpModelWorker: no version counters or view tracking on the ~1100 small ops of a
@@ -203,7 +200,6 @@ class DFlashWorker(BaseModelWorker):
         Running requests may decode inside it (mixed chunk, one token each, see ``mixes_decode``): for them
         it is a draft-free step whose context K/V is written at once.
         """
-        self.flush_draft_context()  # this batch may share a prefix with, or reuse the slots of, deferred rows
         fb = batch.to_forward_batch(
             self.target_runner.token_to_kv_pool,
             self.target_runner.attn_backend,
@@ -232,9 +228,8 @@ class DFlashWorker(BaseModelWorker):
         slots = batch.out_cache_loc.to(self.device, torch.int64).reshape(bs, width)
         capped = self.disable_by_batch_size is not None and bs >= self.disable_by_batch_size  # outranks the cost model
         drafted = not capped and (self.adaptive is None or self.adaptive.should_draft(bs))
-        if drafted or not self._deferred_for(batch):
-            # Outside the timed step: the catch-up is the deferred cost of earlier draft-free steps.
-            self.flush_draft_context()
+        if drafted:  # outside the timed step: the catch-up is the deferred cost of earlier draft-free steps
+            self.flush_deferred_kv()
         if self.adaptive is None or capped:
             return self._decode_with_draft(batch, slots) if drafted else self._decode_without_draft(batch, slots[:, 0])
         # The whole step, host to host: both paths end in a .tolist() that waits for the device.
@@ -258,24 +253,13 @@ class DFlashWorker(BaseModelWorker):
         return self.adaptive is not None and self.adaptive.drafting_off(num_running)
 
     @torch.inference_mode()
-    def flush_draft_context(self) -> None:
+    def flush_deferred_kv(self) -> None:
         """Write the deferred draft-free steps' features as draft context K/V, in one batched pass."""
         if not self._deferred:
             return
         aux, positions, slots = (torch.cat(parts) for parts in zip(*self._deferred))
-        self._deferred, self._deferred_rows, self._deferred_owner = [], 0, None
+        self._deferred, self._deferred_rows = [], 0
         self.draft_model.write_context_kv(aux, positions, slots, self.draft_runner.token_to_kv_pool)
-
-    def _deferred_for(self, batch: ScheduleBatch) -> bool:
-        """Whether the deferred rows belong to exactly this batch's requests (same objects, same rows)."""
-        if self._deferred_owner is None:
-            return True
-        reqs, rows = self._deferred_owner
-        return (
-            len(reqs) == len(batch.reqs)
-            and all(a is b for a, b in zip(reqs, batch.reqs))
-            and rows == list(batch.req_pool_indices)
-        )
 
     def _decode_with_draft(self, batch: ScheduleBatch, slots: torch.Tensor) -> list[list[int]]:
         """Draft block, target verify, accept, committed features as draft context K/V; 1..n+1 tokens each."""
@@ -327,7 +311,7 @@ class DFlashWorker(BaseModelWorker):
         fb = self._forward_batch(ForwardMode.DECODE, items, self.target_runner, slots, capture=self.capture_layers)
         self._draft_head_idle()  # DP attention: peers that draft this step exchange draft-head rows first
         out = self.target_runner.forward(fb)
-        self._defer_context(batch, out, fb.positions, slots)
+        self._defer_context(out, fb.positions, slots)
         next_ids = self.target_runner.sample(out.next_token_logits, self._sampling_info(batch))
         if batch.return_logprob:
             batch.record_sampled_logprobs(out.next_token_logits, next_ids)
@@ -381,18 +365,15 @@ class DFlashWorker(BaseModelWorker):
         """
         fb.positions.clamp_(max=self.context_len - 1)
 
-    def _defer_context(
-        self, batch: ScheduleBatch, out: LogitsProcessorOutput, positions: torch.Tensor, slots: torch.Tensor
-    ) -> None:
-        """Keep a draft-free step's feature rows for the next catch-up (``flush_draft_context``)."""
+    def _defer_context(self, out: LogitsProcessorOutput, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keep a draft-free step's feature rows for the next catch-up (``flush_deferred_kv``)."""
         if out.aux_hidden_states is None:
             raise RuntimeError("the target returned no aux hidden states; it must capture the draft's target layers")
         # Copies: a replayed CUDA graph reuses its output buffers at the next step.
         self._deferred.append((out.aux_hidden_states.clone(), positions.clone(), slots.clone()))
         self._deferred_rows += int(slots.numel())
-        self._deferred_owner = (list(batch.reqs), list(batch.req_pool_indices))
         if self._deferred_rows >= MAX_DEFERRED_CONTEXT_ROWS:
-            self.flush_draft_context()
+            self.flush_deferred_kv()
 
     def _write_context(
         self,

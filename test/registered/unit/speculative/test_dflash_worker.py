@@ -773,17 +773,24 @@ def _kv_at_first_block(worker):
 
 @pytest.mark.parametrize("radix", [True, False])
 def test_deferred_context_is_written_before_its_slots_are_reused(trained, radix):
-    """A request that ends on draft-free steps leaves feature rows deferred. A second request either extends
-    it and shares those cached slots (radix), or has another prompt and gets the freed slots back from the
-    allocator (no cache: the stale rows must not overwrite its prompt's context K/V); either way the catch-up
-    runs before its prefill writes anything, so the draft K/V its first block reads equals that of the same
-    request on a fresh server, and its per-step acceptance equals the reference loop's."""
+    """A request that runs on draft-free steps only defers its feature rows; the scheduler has them written when
+    it releases the request. A second request either extends it and shares those cached slots (radix), or
+    has another prompt and gets the freed slots back from the allocator (no cache: stale rows written later
+    would overwrite its prompt's context K/V). Either way the draft K/V its first block reads equals that of
+    the same request on a fresh server, and its per-step acceptance equals the reference loop's."""
     target_dir, tr, target, draft = trained
     base = tr.prompts[7]
     with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True, disable_radix_cache=not radix) as (sched, worker):
         worker.adaptive = ScriptedPolicy([False])
+        flush, flushed = worker.flush_deferred_kv, []
+
+        def spy_flush():
+            flushed.append(worker._deferred_rows)
+            flush()
+
+        worker.flush_deferred_kv = spy_flush
         first = generate(sched, [base], [greedy(12)], rid_prefix="a")
-        assert worker._deferred_rows > 0  # the finished request's last rows still wait
+        assert max(flushed) == 11 and worker._deferred_rows == 0  # its 11 draft-free steps, written at its release
         alloc = sched.allocator
         if not radix:  # hand its freed K/V slots (the last free) out first, as the allocator does once it cycles
             freed = alloc._released[::-1] + [alloc._free_pages]
