@@ -36,10 +36,11 @@ def test_warmup_drafts_then_goes_plain_then_decides():
 def test_a_losing_draft_is_turned_off_and_probed_ever_less_often_up_to_the_bound():
     p = AdaptiveSpeculation(CFG)
     kinds = drive(p, 1, 200, t_draft=0.15, tokens=1.3, t_plain=0.10)[6:]
-    # Off after warm-up; each probe (one drafted step) loses, doubling the gap: 4, 8, 16, then 16 (the bound).
-    assert kinds.count(True) < len(kinds) // 10
-    assert gaps(kinds, True)[:5] == [9, 17, 17, 17, 17]  # steps on the chosen path + the probe itself
-    assert kinds[:5] == [False, False, False, False, True]
+    # Off after warm-up; each probe (one drafted step) loses, doubling the interval: 4, 8, 16, then 16 (the
+    # bound), counted in plain-step time: a drafted probe costs 1.5 plain steps, so 6, 12, 24, 24 steps.
+    assert kinds.count(True) < len(kinds) // 15
+    assert gaps(kinds, True)[:5] == [13, 25, 25, 25, 25]  # steps on the chosen path + the probe itself
+    assert kinds[:7] == [False] * 6 + [True]
     assert p.buckets[1].interval == CFG.max_probe_interval
 
 
@@ -59,7 +60,7 @@ def test_drafting_comes_back_when_a_probe_finds_it_pays():
     kinds = []
     while p.buckets[1].drafting is False:
         kinds += drive(p, 1, 1, t_draft=0.15, tokens=6.0, t_plain=0.10)
-    assert kinds.index(True) == len(kinds) - 1 <= CFG.max_probe_interval  # the first probe switched it on
+    assert kinds.index(True) == len(kinds) - 1 <= 1.5 * CFG.max_probe_interval  # the first probe switched it on
     assert p.buckets[1].interval == CFG.probe_interval  # reset on the switch
     assert all(drive(p, 1, CFG.probe_interval, t_draft=0.15, tokens=6.0, t_plain=0.10))
     # ... and off again once acceptance falls back.
@@ -185,6 +186,16 @@ def test_same_timings_give_the_same_decisions():
         p = AdaptiveSpeculation(CFG)
         runs.append([k for t in timings for k in drive(p, 3, 1, *t)])
     assert runs[0] == runs[1] and True in runs[0][6:] and False in runs[0][6:]
+
+
+def test_probes_of_a_losing_draft_are_spaced_by_their_cost():
+    """While drafting is off, the probe interval counts plain-step time: a drafted probe that costs 3 plain
+    steps comes 3x less often than one that costs about as much as a plain step, so both spend the same share."""
+    cheap, costly = AdaptiveSpeculation(CFG), AdaptiveSpeculation(CFG)
+    a = drive(cheap, 1, 300, t_draft=0.101, tokens=1.0, t_plain=0.10)[6:]
+    b = drive(costly, 1, 300, t_draft=0.30, tokens=1.0, t_plain=0.10)[6:]
+    assert cheap.buckets[1].drafting is False and costly.buckets[1].drafting is False
+    assert gaps(a, True)[-3:] == [18, 18, 18] and gaps(b, True)[-3:] == [49, 49, 49]  # ceil(16 x 1.01), 3 x 16, + the probe
 
 
 def test_drafting_off_reads_the_choice_without_changing_it():

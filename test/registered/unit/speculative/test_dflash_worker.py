@@ -711,20 +711,27 @@ def _draft_kv_of(worker, req):
     return [t[slots].clone() for i in range(len(worker.draft_model.layers)) for t in pool.get_kv_buffer(i)]
 
 
+def _kv_at_first_block(worker, when=lambda: True):
+    """Spy: the draft K/V of the first request's committed positions when the first drafted block with when() runs."""
+    seen = {}
+    with_draft = worker._decode_with_draft
+
+    def spy(batch, slots):
+        if "kv" not in seen and when():
+            seen["kv"] = _draft_kv_of(worker, batch.reqs[0])
+        return with_draft(batch, slots)
+
+    worker._decode_with_draft = spy
+    return seen
+
+
 def _pause_and_resume(target_dir, draft_dir, prompt, pattern, max_new):
     """One request through a scripted drafted / draft-free pattern: output ids, tokens per step, the deferred
     rows seen before each step, and the draft K/V of its committed positions when the first resumed block runs."""
     with spec_scheduler(target_dir, draft_dir, speculative_adaptive=True) as (sched, worker):
-        worker.adaptive = ScriptedPolicy(pattern)
-        pending, snapshot = [], {}
-        with_draft = worker._decode_with_draft
-
-        def spy(batch, slots):
-            if "kv" not in snapshot and worker.adaptive.asked > pattern.index(False):
-                snapshot["kv"] = _draft_kv_of(worker, batch.reqs[0])
-            return with_draft(batch, slots)
-
-        worker._decode_with_draft = spy
+        worker.adaptive = policy = ScriptedPolicy(pattern)
+        pending = []
+        snapshot = _kv_at_first_block(worker, when=lambda: policy.asked > pattern.index(False))
         sched.add_request(TokenizedGenerateReqInput(rid="a", input_text=None, input_ids=list(prompt),
                                                     sampling_params=greedy(max_new), stream=True))
         ids, steps = [], []
@@ -756,19 +763,6 @@ def test_draft_free_steps_defer_the_draft_context_and_a_resumed_block_sees_it_co
     assert len(kv) == len(kv_eager) > 0
     for a, b in zip(kv, kv_eager):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
-def _kv_at_first_block(worker):
-    """Spy: the draft K/V of the first request's committed positions when the worker's first drafted block runs."""
-    seen = {}
-    with_draft = worker._decode_with_draft
-
-    def spy(batch, slots):
-        seen.setdefault("kv", _draft_kv_of(worker, batch.reqs[0]))
-        return with_draft(batch, slots)
-
-    worker._decode_with_draft = spy
-    return seen
 
 
 @pytest.mark.parametrize("radix", [True, False])
