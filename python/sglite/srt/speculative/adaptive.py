@@ -18,7 +18,8 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   less; a probe that flips the choice resets it. While drafting is off the interval counts plain-step
   time, not steps: a drafted probe costs ``t_draft / t_plain`` plain steps (~3.4 at batch 8 on a CPU,
   where one such probe per 32 steps cost ~3% of the run), so every bucket spends the same small share
-  of its time probing.
+  of its time probing; a bucket that started off like its smaller neighbour and has not timed a drafted
+  step yet uses the neighbour's ratio, a lower bound of its own.
 - A new bucket skips the measuring when a neighbour already settles it. The gain ``L * t_plain / t_draft``
   does not grow with the batch: ``L`` does not depend on it, and a drafted step's relative cost
   ``t_draft / t_plain`` only grows (its W - 1 extra verify tokens per request ride along on weight reads
@@ -88,6 +89,13 @@ class BucketState:
         return self.t_draft is not None and self.t_plain is not None
 
 
+def _cost_ratio(b: BucketState) -> Optional[float]:
+    """t_draft / t_plain from the EMAs, else from the warm-up samples so far (None while a kind has none)."""
+    t_draft = b.t_draft if b.t_draft is not None else (statistics.median(b.draft_warmup) if b.draft_warmup else None)
+    t_plain = b.t_plain if b.t_plain is not None else (statistics.median(b.plain_warmup) if b.plain_warmup else None)
+    return None if t_draft is None or t_plain is None else t_draft / t_plain
+
+
 def bucket_of(batch_size: int) -> int:
     """The smallest power of two >= batch_size (1, 2, 4, 8, ...)."""
     if batch_size < 1:
@@ -150,12 +158,18 @@ class AdaptiveSpeculation:
             return not b.drafting  # a probe of the path not taken
         return b.drafting
 
-    @staticmethod
-    def _probe_gap(b: BucketState) -> int:
-        """Steps on the chosen path before the next probe: the interval, in plain-step time while drafting is off."""
-        if b.drafting is False and b.warm():
-            return math.ceil(b.interval * max(1.0, b.t_draft / b.t_plain))
-        return b.interval
+    def _probe_gap(self, b: BucketState) -> int:
+        """Steps on the chosen path before the next probe: the interval, in plain-step time while drafting is off.
+
+        A bucket that has not timed a drafted step yet (one that started off like its smaller neighbour)
+        takes the neighbour's cost ratio, a lower bound of its own (the ratio only grows with the batch).
+        """
+        if b.drafting is not False:
+            return b.interval
+        ratio = _cost_ratio(b)
+        if ratio is None and b.inherited_from is not None:
+            ratio = _cost_ratio(self.buckets[b.inherited_from])
+        return math.ceil(b.interval * max(1.0, ratio or 1.0))
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens_per_req: float = 1.0) -> None:
         """Feed one finished decode step: its kind, wall time and (drafted) mean committed tokens per request."""

@@ -369,8 +369,10 @@ class DFlashWorker(BaseModelWorker):
         """Keep a draft-free step's feature rows for the next catch-up (``flush_deferred_kv``)."""
         if out.aux_hidden_states is None:
             raise RuntimeError("the target returned no aux hidden states; it must capture the draft's target layers")
-        # Copies: a replayed CUDA graph reuses its output buffers at the next step.
-        self._deferred.append((out.aux_hidden_states.clone(), positions.clone(), slots.clone()))
+        aux = out.aux_hidden_states
+        if self.device.type != "cpu":  # a replayed CUDA graph reuses its buffers at the next step (CPU: fresh tensors)
+            aux, positions, slots = aux.clone(), positions.clone(), slots.clone()
+        self._deferred.append((aux, positions, slots))
         self._deferred_rows += int(slots.numel())
         if self._deferred_rows >= MAX_DEFERRED_CONTEXT_ROWS:
             self.flush_deferred_kv()

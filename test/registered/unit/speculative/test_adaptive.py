@@ -1,5 +1,7 @@
 """AdaptiveSpeculation, the measured cost model of --speculative-adaptive, fed synthetic step timings."""
 
+import math
+
 import pytest
 
 from sglite.srt.speculative.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation, bucket_of
@@ -110,8 +112,10 @@ def test_a_bigger_bucket_starts_off_when_a_smaller_one_does_not_draft():
     kinds = drive(p, 8, 40, t_draft=0.45, tokens=1.3, t_plain=0.15)
     b = p.buckets[8]
     assert b.inherited_from == 1 and b.drafting is False and b.interval == CFG.max_probe_interval
-    # The first drafted step is the probe after the inherited interval, not a warm-up.
-    assert kinds.index(True) == CFG.max_probe_interval and kinds.count(True) == 40 // (CFG.max_probe_interval + 1)
+    # The first drafted step is the probe after the inherited interval, not a warm-up; it counts plain-step
+    # time at bucket 1's cost ratio (1.5, a lower bound of bucket 8's), the next one at bucket 8's own (3).
+    first = math.ceil(CFG.max_probe_interval * 1.5)
+    assert kinds.index(True) == first and kinds.count(True) == 1 and first + 1 + 3 * CFG.max_probe_interval > 40
     assert b.t_plain == pytest.approx(0.15) and b.t_draft is None  # drafting warms through probes only
     fresh = drive(AdaptiveSpeculation(CFG), 8, 40, t_draft=0.45, tokens=1.3, t_plain=0.15)
     assert fresh[:3] == [True, True, True] and fresh.count(True) > kinds.count(True)
@@ -135,7 +139,9 @@ def test_an_inherited_choice_yields_to_the_buckets_own_timings():
     kinds = drive(p, 8, 4 * (CFG.max_probe_interval + 1), t_draft=0.15, tokens=1.3, t_plain=0.30)
     b = p.buckets[8]
     assert b.inherited_from == 1 and b.drafting is True and b.t_draft == pytest.approx(0.15)
-    first_on = 3 * (CFG.max_probe_interval + 1)  # the third probe warmed t_draft and switched
+    # The third probe warmed t_draft and switched; the first waited for bucket 1's cost ratio (1.5), the
+    # next ones for bucket 8's own (0.5: plain-step count).
+    first_on = math.ceil(CFG.max_probe_interval * 1.5) + 1 + 2 * (CFG.max_probe_interval + 1)
     assert kinds[:first_on].count(True) == 3 and all(kinds[first_on:first_on + CFG.probe_interval])
 
 
