@@ -28,7 +28,7 @@ from sglite.testing.tiny_dflash import (
 from sglite.testing.tiny_dflash import reference_block_generate as _reference_block_generate
 
 SUITE = "unit-cpu"
-EST_TIME = 135
+EST_TIME = 170
 
 BLOCK = 4
 
