@@ -116,8 +116,8 @@ class ServerArgs:
     )
     mixed_chunk_prefill_size: Optional[int] = _opt(
         "Prefill tokens a mixed batch carries besides its decoding requests: bounds the inter-token gap a prompt "
-        f"adds. Default: {CPU_MIXED_CHUNK_PREFILL_SIZE} on CPU, times the waiting requests per decoding one (rounded "
-        "down, at least 1: grows under a burst); --chunked-prefill-size on CUDA. Set, it is a fixed share"
+        f"adds. Default: {CPU_MIXED_CHUNK_PREFILL_SIZE} on CPU, times the waiting requests per decoding one once 4 "
+        "wait (rounded down, at least 1: grows under a burst); --chunked-prefill-size on CUDA. Set, it is a fixed share"
     )
     disable_radix_cache: bool = _opt("Disable the radix prefix cache", False)
     attention_backend: Optional[str] = _opt("Attention backend; default: triton on CUDA, torch_native on CPU", None, ATTENTION_BACKENDS)

@@ -55,14 +55,22 @@ class SchedulePolicy:
         return sorted(waiting, key=lambda r: -match_len[id(r)])
 
 
+# Fewer waiting requests than this never grow the mixed share: under Poisson arrivals a queue of 2-3 behind
+# one decoding request is common, and doubling the share there pushed ITL p99/p50 past 3x on a loaded box
+# (docs/benchmarks.md, "Mixed steps"); a burst is a longer queue.
+MIXED_SHARE_MIN_WAITING = 4
+
+
 def mixed_prefill_share(base: int, cap: Optional[int], num_waiting: int, num_decoding: int) -> Optional[int]:
     """Prefill tokens of one mixed step: ``base`` times waiting-per-decoding request (at least 1x), capped at ``cap``.
 
     A step's prefill tokens stall each decoding request once and save each waiting one a step of TTFT, so
     the share grows with the ratio of the two: a trickle (a few waiting, many decoding) keeps the base
-    share's ITL bound, a burst (a queue, few decoding) is admitted in a few steps. ``cap`` None = unbounded.
+    share's ITL bound, a burst (a queue of at least ``MIXED_SHARE_MIN_WAITING``, few decoding) is admitted
+    in a few steps. ``cap`` None = unbounded.
     """
-    share = base * max(1, num_waiting // max(1, num_decoding))
+    growth = num_waiting // max(1, num_decoding) if num_waiting >= MIXED_SHARE_MIN_WAITING else 1
+    share = base * max(1, growth)
     return share if cap is None else min(share, cap)
 
 

@@ -77,6 +77,8 @@ def test_lpm_orders_by_cached_prefix_fcfs_keeps_arrival():
         (30, 2, 2048, 960),
         (30, 2, 500, 500),  # never past the forward's chunk budget
         (30, 0, None, 1920),  # chunking off: unbounded; no decoding request counts as one
+        (3, 1, 2048, 64),  # a short queue (Poisson arrivals) never grows the share
+        (4, 1, 2048, 256),  # MIXED_SHARE_MIN_WAITING waiting: it grows
     ],
 )
 def test_mixed_prefill_share_scales_with_waiting_per_decoding(waiting, decoding, cap, share):
