@@ -124,13 +124,12 @@ class ModelRunner:
             )
             self.kv_cache_dtype = self.memory_pool_config.draft_kv_cache_torch_dtype
         else:
-            budget = KVBudgetInputs(tp_group=get_tp_group())
-            if self.device.type == "cuda":
-                budget = KVBudgetInputs(
-                    tp_group=get_tp_group(),
-                    pre_model_load_free_bytes=self._free_bytes_before_load,
-                    post_model_load_free_bytes=get_free_device_memory(str(self.device)),
-                )
+            on_cuda = self.device.type == "cuda"  # CPU has no memory profile: its budget is a flag
+            budget = KVBudgetInputs(
+                tp_group=get_tp_group(),
+                pre_model_load_free_bytes=self._free_bytes_before_load if on_cuda else None,
+                post_model_load_free_bytes=get_free_device_memory(str(self.device)) if on_cuda else None,
+            )
             planned = plan_and_build_pools(
                 server_args, self.model_config, pool_device=str(self.device), model_dtype=self.dtype, budget=budget
             )
