@@ -1,4 +1,4 @@
-"""KV pools: request→token table, MHA/GQA, MLA, hybrid sliding-window pair, hybrid linear.
+"""KV pools: request→token table, MHA/GQA, MLA, hybrid sliding-window pair, hybrid linear; DFLASH deferred rows.
 
 Every pool allocates one tensor per layer (so a layer's buffer is a plain view for the kernels) and
 reports ``nbytes()``, the exact bytes of its tensors. Each pool also has a static ``planned_bytes(...)``
@@ -523,3 +523,70 @@ class HybridLinearKVPool:
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """Write K/V of an attention layer."""
         self.kv_pool.set_kv_buffer(layer_id, loc, cache_k, cache_v)
+
+
+# ====================================================================== DFLASH deferred context rows
+
+
+class DeferredContextRows:
+    """Draft-free DFLASH steps' feature rows, positions and slots, waiting for one batched draft context K/V write.
+
+    One buffer of ``rows`` rows, allocated with the pools and priced by the plan like them: features
+    ``[rows, feature_width]`` in the runtime dtype (the target's captured layers, concatenated), positions
+    and slots ``int64``. ``append`` copies into it (a replayed CUDA graph reuses its output buffers, so the
+    rows must be copied out anyway) and never grows it; ``pending`` are views of the rows written so far.
+    """
+
+    INDEX_DTYPE = torch.int64
+
+    def __init__(self, rows: int, feature_width: int, dtype: torch.dtype, device: Device) -> None:
+        if rows < 1 or feature_width < 1:
+            raise ValueError(f"DeferredContextRows needs rows >= 1 and feature_width >= 1 (got {rows}, {feature_width})")
+        self.capacity = rows
+        self.feature_width = feature_width
+        self.dtype = dtype
+        self.features = _alloc((rows, feature_width), dtype, device)
+        self.positions = _alloc((rows,), self.INDEX_DTYPE, device)
+        self.slots = _alloc((rows,), self.INDEX_DTYPE, device)
+        self.size = 0  # rows written since the last clear
+
+    @staticmethod
+    def planned_bytes(rows: int, feature_width: int, dtype: torch.dtype) -> int:
+        """Bytes the buffer will take."""
+        index_bytes = 2 * kv_dtype_bytes(DeferredContextRows.INDEX_DTYPE)
+        return rows * (feature_width * kv_dtype_bytes(dtype) + index_bytes)
+
+    def nbytes(self) -> int:
+        """Exact bytes of the three tensors."""
+        return sum(_tensor_bytes(t) for t in (self.features, self.positions, self.slots))
+
+    @property
+    def free_rows(self) -> int:
+        """Rows still free before a flush is due."""
+        return self.capacity - self.size
+
+    def append(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy one step's rows in after those already waiting; more than ``free_rows`` is an error (flush first)."""
+        n = int(slots.numel())
+        if features.shape != (n, self.feature_width) or positions.numel() != n:
+            raise ValueError(
+                f"deferred context rows: features {tuple(features.shape)}, {positions.numel()} positions and {n} "
+                f"slots; expected [{n}, {self.feature_width}] features and one position per slot"
+            )
+        if features.dtype != self.dtype:  # copy_ would convert silently: the plan priced this dtype
+            raise ValueError(f"deferred context features are {features.dtype}, the planned buffer holds {self.dtype}")
+        if n > self.free_rows:
+            raise ValueError(f"{n} deferred context rows do not fit the {self.free_rows} free rows; flush first")
+        end = self.size + n
+        self.features[self.size : end].copy_(features)
+        self.positions[self.size : end].copy_(positions)
+        self.slots[self.size : end].copy_(slots)
+        self.size = end
+
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(features, positions, slots) of the rows waiting, as views of the buffer."""
+        return self.features[: self.size], self.positions[: self.size], self.slots[: self.size]
+
+    def clear(self) -> None:
+        """Forget the waiting rows (after their K/V was written)."""
+        self.size = 0

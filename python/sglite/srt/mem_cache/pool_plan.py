@@ -18,6 +18,7 @@ import torch
 
 from sglite.srt.mem_cache.memory_pool import (
     BaseTokenToKVPool,
+    DeferredContextRows,
     HybridLinearKVPool,
     MambaStatePool,
     MHATokenToKVPool,
@@ -132,6 +133,23 @@ class StateGeometry:
         return MambaStatePool(slots, self.layer_ids, *self._geom(), device)
 
 
+@dataclass(frozen=True)
+class DeferredContextGeometry:
+    """The DFLASH deferred context buffer: rows of draft-free steps' features waiting for their draft K/V write."""
+
+    rows: int
+    feature_width: int  # len(target_layer_ids) x the target's hidden size
+    dtype: torch.dtype  # the runtime dtype the target's features come in
+
+    def planned_bytes(self) -> int:
+        """Bytes the buffer allocates."""
+        return DeferredContextRows.planned_bytes(self.rows, self.feature_width, self.dtype)
+
+    def build(self, device: Device) -> DeferredContextRows:
+        """Allocate the buffer."""
+        return DeferredContextRows(self.rows, self.feature_width, self.dtype, device)
+
+
 # ====================================================================== the plan
 
 
@@ -160,6 +178,8 @@ class PoolPlan:
     state_slots: Optional[int] = None
     draft: Optional[AttnPoolGeometry] = None
     extra_req_slots: int = 0  # PD decode node: rows for requests pre-allocated while their KV arrives
+    # DFLASH/DSPARK whose decode steps may skip the draft: the rows those steps defer (None otherwise).
+    draft_deferred_context: Optional[DeferredContextGeometry] = None
 
     @property
     def req_to_token_rows(self) -> int:
@@ -193,6 +213,8 @@ class PoolPlan:
             out.append(PlannedPool("target_kv", "target", self.target_attn.planned_bytes(T, p)))
         if self.draft is not None:
             out.append(PlannedPool("draft_kv", "draft", self.draft.planned_bytes(T, p)))
+        if self.draft_deferred_context is not None:
+            out.append(PlannedPool("draft_deferred_context", "draft", self.draft_deferred_context.planned_bytes()))
         out.append(
             PlannedPool(
                 "req_to_token", "shared",
@@ -225,6 +247,12 @@ class PoolPlan:
         if self.draft is None:
             raise MemoryPlanError("this memory plan has no draft pool (no --speculative-algorithm was planned)")
         return self.draft.build(self.max_total_num_tokens, self.page_size, device)
+
+    def build_draft_deferred_context(self, device: Device) -> Optional[DeferredContextRows]:
+        """The DFLASH draft's deferred context buffer (None when no decode step may skip the draft)."""
+        if self.draft_deferred_context is None:
+            return None
+        return self.draft_deferred_context.build(device)
 
     def build_req_to_token_pool(self, device: Device) -> ReqToTokenPool:
         """The request→token table shared by target and draft."""

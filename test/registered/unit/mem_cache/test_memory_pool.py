@@ -1,4 +1,4 @@
-"""ReqToTokenPool and token→KV pools: shapes, exact bytes, round trips, meta-device builds."""
+"""ReqToTokenPool, token→KV pools and the DFLASH deferred context rows: shapes, exact bytes, round trips, meta builds."""
 
 SUITE = "unit-cpu"
 EST_TIME = 8
@@ -6,7 +6,7 @@ EST_TIME = 8
 import pytest
 import torch
 
-from sglite.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglite.srt.mem_cache.memory_pool import DeferredContextRows, MHATokenToKVPool, ReqToTokenPool
 
 
 def test_req_to_token_pool_rows():
@@ -175,3 +175,44 @@ def test_mha_pool_writes_equal_for_int64_and_int32_slots_and_strided_rows():
     assert torch.equal(pools[0].get_value_buffer(0), pools[1].get_value_buffer(0))
     assert torch.equal(pools[0].get_key_buffer(0)[torch.tensor([4, 1, 9])], k)
     assert pools[0].get_key_buffer(0)[0].abs().sum() == 0  # untouched slot
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_context_rows_bytes(device, dtype):
+    buf = DeferredContextRows(256, 4 * 576, dtype, device)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    # features [rows, width] in the runtime dtype, positions and slots int64
+    assert buf.nbytes() == 256 * (4 * 576 * elem + 8 + 8) == DeferredContextRows.planned_bytes(256, 4 * 576, dtype)
+    assert buf.features.device.type == device and buf.slots.dtype == buf.positions.dtype == torch.int64
+
+
+def test_deferred_context_rows_append_in_order_never_grow_and_clear():
+    buf = DeferredContextRows(5, 3, torch.float32, "cpu")
+    storage = buf.features.data_ptr()
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    b = torch.arange(6, 15, dtype=torch.float32).reshape(3, 3)
+    buf.append(a, torch.tensor([10, 11]), torch.tensor([100, 101], dtype=torch.int32))
+    # A strided source (a decode step's first block slot per request) is copied row by row.
+    wide = torch.tensor([[7, 102, 0], [8, 103, 0], [9, 104, 0]])
+    buf.append(b, wide[:, 0], wide[:, 1])
+    assert buf.size == 5 and buf.free_rows == 0
+    feats, pos, slots = buf.pending()
+    assert torch.equal(feats, torch.cat([a, b])) and pos.tolist() == [10, 11, 7, 8, 9]
+    assert slots.tolist() == [100, 101, 102, 103, 104] and slots.dtype == torch.int64
+    with pytest.raises(ValueError, match="flush first"):
+        buf.append(a[:1], torch.tensor([1]), torch.tensor([1]))
+    buf.clear()
+    assert buf.size == 0 and buf.pending()[0].shape == (0, 3)
+    buf.append(b, torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]))
+    assert torch.equal(buf.pending()[0], b) and buf.features.data_ptr() == storage
+
+
+def test_deferred_context_rows_refuse_what_the_plan_did_not_price():
+    buf = DeferredContextRows(4, 3, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="bfloat16"):
+        buf.append(torch.zeros(1, 3, dtype=torch.bfloat16), torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"expected \[1, 3\]"):
+        buf.append(torch.zeros(1, 4), torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="rows >= 1"):
+        DeferredContextRows(0, 3, torch.float32, "cpu")
