@@ -24,7 +24,7 @@ import torch
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from sglite.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
-from sglite.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglite.srt.mem_cache.memory_pool import DeferredContextRows, ReqToTokenPool
 from sglite.srt.mem_cache.pool_plan import MemoryPlanError, MemoryPoolConfig, dtype_name
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
     SpecAuxHiddenStateConfig,
@@ -154,6 +154,13 @@ class KVCacheConfigurator:
             return 0
         return self.spec_aux_config.num_verify_tokens
 
+    def _draft_free_steps(self) -> bool:
+        """Whether DFLASH/DSPARK decode steps may skip the draft, deferring their context rows (never on a PD prefill node)."""
+        sa = self.server_args
+        if sa.disaggregation_mode == "prefill" or not self.spec_aux_config.is_dflash_family:
+            return False
+        return bool(sa.speculative_adaptive) or sa.speculative_disable_by_batch_size is not None
+
     # ---------------------------------------------------------------- configure
     def configure(self, budget: KVBudgetInputs = KVBudgetInputs()) -> MemoryPoolConfig:
         """Solve the per-rank plan (target), or return the target's plan verbatim (draft)."""
@@ -180,6 +187,7 @@ class KVCacheConfigurator:
             num_draft_tokens=self._num_draft_tokens(),
             max_running_requests=sa.max_running_requests,
             extra_req_slots=int(sa.disaggregation_decode_extra_slots) if sa.disaggregation_mode == "decode" else 0,
+            draft_free_steps=self._draft_free_steps(),
             swa_full_tokens_ratio=self.swa_full_tokens_ratio,
             mamba_full_memory_ratio=self.mamba_full_memory_ratio,
         )
@@ -236,11 +244,16 @@ class KVPools:
     req_to_token_pool: Optional[ReqToTokenPool] = None
     token_to_kv_pool_allocator: Any = None
     is_draft: bool = False
+    # The draft's: rows of draft-free DFLASH steps waiting for their context K/V (None when none are planned).
+    deferred_context: Optional[DeferredContextRows] = None
 
     def allocated_bytes(self) -> dict[str, int]:
         """Exact bytes per allocation, named as in ``MemoryPoolConfig.planned_pools()``."""
         if self.is_draft:
-            return {"draft_kv": self.token_to_kv_pool.nbytes()}
+            out = {"draft_kv": self.token_to_kv_pool.nbytes()}
+            if self.deferred_context is not None:
+                out["draft_deferred_context"] = self.deferred_context.nbytes()
+            return out
         pool = self.token_to_kv_pool
         out: dict[str, int] = {}
         if hasattr(pool, "full_to_swa_index_mapping"):
@@ -313,6 +326,7 @@ def build_pools(
             req_to_token_pool=target_pools.req_to_token_pool if target_pools else None,
             token_to_kv_pool_allocator=target_pools.token_to_kv_pool_allocator if target_pools else None,
             is_draft=True,
+            deferred_context=plan.build_draft_deferred_context(device),
         )
     kv = plan.build_target_kv_pool(device)
     allocator = None

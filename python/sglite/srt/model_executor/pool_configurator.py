@@ -27,6 +27,7 @@ from sglite.srt.mem_cache.memory_pool import SWAKVPool
 from sglite.srt.mem_cache.paging import floor_to_page
 from sglite.srt.mem_cache.pool_plan import (
     AttnPoolGeometry,
+    DeferredContextGeometry,
     MemoryPlanError,
     PoolPlan,
     StateGeometry,
@@ -41,6 +42,11 @@ DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
 DEFAULT_MAMBA_FULL_MEMORY_RATIO = 0.9
 MAMBA_SSM_DTYPE = torch.float32  # recurrent state accumulates over the whole sequence: keep fp32
 MIN_RUNNING_REQUESTS_ESTIMATE, MAX_RUNNING_REQUESTS_ESTIMATE = 2048, 4096
+# Rows of the DFLASH deferred context buffer (draft-free steps' features waiting for one batched draft K/V
+# write): few enough to keep it small (the default pair's 4 x 576 fp32 features: 2.4 MB), many enough that
+# one catch-up writes many rows per GEMM. The worker flushes before a step that would not fit, so this is
+# the worst case; a step wider than the whole buffer is written at once.
+MAX_DEFERRED_CONTEXT_ROWS = 256
 
 
 # ====================================================================== configurators
@@ -59,6 +65,9 @@ class ConfiguratorInputs:
     num_draft_tokens: int = 0
     max_running_requests: Optional[int] = None  # --max-running-requests (whole server; split over attn DP)
     extra_req_slots: int = 0  # PD decode node: --disaggregation-decode-extra-slots
+    # DFLASH/DSPARK decode steps may skip the draft (--speculative-adaptive / --speculative-disable-by-batch-size,
+    # not on a PD prefill node): they defer their draft context rows into a planned buffer.
+    draft_free_steps: bool = False
     swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO
     mamba_full_memory_ratio: float = DEFAULT_MAMBA_FULL_MEMORY_RATIO
 
@@ -77,6 +86,7 @@ class BasePoolConfigurator(abc.ABC):
         self.attn_dp_size = int(par.attn_dp_size)
         self.target_attn = self._target_attn_geometry()
         self.draft = self._draft_geometry()
+        self.deferred_context = self._deferred_context_geometry()
         self.req_to_token_context_len = inputs.context_len + self._extra_context_len()
 
     # ---------------------------------------------------------------- geometry
@@ -129,6 +139,19 @@ class BasePoolConfigurator(abc.ABC):
             )
         return ratio
 
+    def _deferred_context_geometry(self) -> Optional[DeferredContextGeometry]:
+        """The deferred context buffer of draft-free DFLASH steps: the target's captured features, per rank.
+
+        Every rank holds the full hidden width (TP all-reduces it; DP attention ranks defer their own
+        requests' rows), so the buffer is the same on every rank."""
+        if not self.inputs.draft_free_steps:
+            return None
+        aux = self.inputs.spec_aux
+        if not aux.is_dflash_family:
+            raise MemoryPlanError(f"draft-free decode steps need a DFLASH or DSPARK draft, not {aux.algorithm}")
+        width = len(aux.target_layer_ids) * int(self.model_config.hidden_size)
+        return DeferredContextGeometry(MAX_DEFERRED_CONTEXT_ROWS, width, self.inputs.model_dtype)
+
     # ---------------------------------------------------------------- cells
     @abc.abstractmethod
     def target_cell_bytes(self) -> int:
@@ -164,6 +187,7 @@ class BasePoolConfigurator(abc.ABC):
             req_to_token_context_len=self.req_to_token_context_len,
             target_attn=self.target_attn,
             draft=self.draft,
+            draft_deferred_context=self.deferred_context,
         )
 
     def _budget_for_tokens(self, budget_bytes: int) -> int:

@@ -222,3 +222,52 @@ def test_pd_decode_node_adds_request_rows(tmp_path):
     assert plain.max_running_requests == dec.max_running_requests == 8
     assert t_plain.req_to_token_pool.size == 8 and t_dec.req_to_token_pool.size == 13
     _check_equal(dec, t_dec, None)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    return _tiny_qwen3(tmp_path), _tiny_dflash(tmp_path)
+
+
+def _deferred_args(pair, **kw):
+    base = dict(model_path=pair[0], device="cpu", cpu_kv_cache_budget_mb=4, max_running_requests=8,
+                speculative_algorithm="DFLASH", speculative_draft_model_path=pair[1])
+    base.update(kw)
+    return ServerArgs(**base).validate()
+
+
+@pytest.mark.parametrize("flag", [dict(speculative_adaptive=True), dict(speculative_disable_by_batch_size=4)])
+def test_draft_free_steps_plan_the_deferred_context_buffer_and_it_costs_kv_tokens(pair, flag):
+    off, t_off, d_off = _configure(_deferred_args(pair))
+    on, t_on, d_on = _configure(_deferred_args(pair, **flag))
+    assert "draft_deferred_context" not in off.planned_pool_bytes and d_off.deferred_context is None
+    # 256 rows of the features the 2-layer draft reads (2 captured target layers x hidden 64, fp32), plus an
+    # int64 position and slot each
+    width = 2 * 64
+    deferred = 256 * (width * 4 + 8 + 8)
+    assert on.planned_pool_bytes["draft_deferred_context"] == deferred == d_on.deferred_context.nbytes()
+    assert d_on.deferred_context.features.shape == (256, width)
+    _check_equal(on, t_on, d_on)
+    # The buffer comes out of the KV budget: the flag costs exactly the tokens whose bytes, beyond the slack
+    # the plan without it left, make room for it (page 1, fixed request rows).
+    cell = off.target_cell_bytes + off.draft_cell_bytes
+    slack = off.budget_bytes - off.planned_total_bytes()
+    assert 0 <= slack < cell
+    assert on.max_total_num_tokens == off.max_total_num_tokens - -(-(deferred - slack) // cell)
+    assert on.planned_total_bytes() <= on.budget_bytes
+
+
+def test_deferred_context_buffer_is_the_same_on_every_tp_rank(pair):
+    one, _, _ = _configure(_deferred_args(pair, speculative_disable_by_batch_size=4))
+    for rank in (0, 1):
+        cfg, target, draft = _configure(_deferred_args(pair, speculative_disable_by_batch_size=4, tp_size=2),
+                                        rank=rank)
+        # Every rank holds the full hidden width of the captured features (TP all-reduces them).
+        assert cfg.planned_pool_bytes["draft_deferred_context"] == one.planned_pool_bytes["draft_deferred_context"]
+        _check_equal(cfg, target, draft)
+
+
+def test_a_pd_prefill_node_never_defers(pair):
+    cfg, _, draft = _configure(_deferred_args(pair, speculative_disable_by_batch_size=4,
+                                              disaggregation_mode="prefill"))
+    assert "draft_deferred_context" not in cfg.planned_pool_bytes and draft.deferred_context is None

@@ -299,16 +299,17 @@ from sglite.srt.model_executor.kv_cache_configurator import KVPools  # noqa: E40
     kv_dtype=st.sampled_from([torch.bfloat16, torch.float8_e4m3fn, torch.float32]),
     budget_mib=st.integers(64, 100 * 1024),
     ctx=st.sampled_from([512, 4096, 32768]),
+    draft_free=st.booleans(),
 )
 def test_property_plan_fits_fills_and_builds_exactly(layers, kv, hd, draft_kv, draft_layers, topo, page, kv_dtype,
-                                                     budget_mib, ctx):
+                                                     budget_mib, ctx, draft_free):
     tp, dp, dpa, cp = topo
     mc = _gqa(layers=layers, kv=kv, hd=hd)
     draft = _draft(kv=draft_kv, layers=draft_layers, target_layers=layers)
     budget = budget_mib << 20
     with _Topology(tp=tp, dp=dp, dpa=dpa, cp=cp, rank=tp - 1) as par:
         aux = _aux("DFLASH", mc, draft)
-        conf = DefaultPoolConfigurator(_inputs(mc, aux, page=page, dtype=kv_dtype, ctx=ctx))
+        conf = DefaultPoolConfigurator(_inputs(mc, aux, page=page, dtype=kv_dtype, ctx=ctx, draft_free_steps=draft_free))
         w = par.attn_tp_size
         elem = torch.tensor([], dtype=kv_dtype).element_size()
         assert conf.draft_cell_bytes() == max(1, draft_kv // w) * 256 * draft_layers * 2  # draft dtype: bf16
@@ -324,4 +325,10 @@ def test_property_plan_fits_fills_and_builds_exactly(layers, kv, hd, draft_kv, d
         assert conf.plan_for_tokens(plan.max_total_num_tokens + page).total_bytes() > budget
         built = KVPools(plan.build_target_kv_pool("meta"), plan.build_req_to_token_pool("meta")).allocated_bytes()
         built["draft_kv"] = plan.build_draft_kv_pool("meta").nbytes()
+        deferred = plan.build_draft_deferred_context("meta")
+        if draft_free:  # draft-free steps' rows: the draft's captured target layers x hidden, bf16 (model dtype)
+            built["draft_deferred_context"] = deferred.nbytes()
+            assert deferred.nbytes() == 256 * (draft_layers * 32 * hd * 2 + 16)
+        else:
+            assert deferred is None
         assert built == {p.name: p.planned_bytes for p in plan.planned_pools()}
