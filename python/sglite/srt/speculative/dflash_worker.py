@@ -18,13 +18,15 @@ scheduler allocated at positions ``[P, P+W)``:
 
 With ``--speculative-disable-by-batch-size N`` a decode step of N or more requests skips the draft: the
 target decodes ``c`` alone in ``S[0]`` (capturing its features) and returns one token, as a step that
-accepted no draft would. The features' draft context K/V is deferred: draft-free steps only keep their
-feature rows, and one batched ``write_context_kv`` catches the draft pool up (one GEMM of many rows instead
-of one per step: the per-step write was ~2.5% of a draft-free step of the default pair on CPU). The
-catch-up (``flush_deferred_kv``) runs before a drafted step (the block reads the context), once
-``MAX_DEFERRED_CONTEXT_ROWS`` rows wait (a bound on the memory they hold), and whenever the scheduler is
-about to release or retract a request (its slots may then be cached for a shared prefix, freed and handed
-to a new prompt, or filled by a PD transfer). So the waiting rows always belong to slots that running
+accepted no draft would. The features' draft context K/V is deferred: draft-free steps only copy their
+feature rows into the draft's deferred context buffer, and one batched ``write_context_kv`` catches the
+draft pool up (one GEMM of many rows instead of one per step: the per-step write was ~2.5% of a draft-free
+step of the default pair on CPU). The buffer is allocated with the draft's pools and priced by the memory
+plan (``draft_deferred_context``); it never grows. The catch-up (``flush_deferred_kv``) runs before a
+drafted step (the block reads the context), before a step whose rows would not fit the buffer, once the
+buffer is full, and whenever the scheduler is about to release or retract a request (its slots may then be
+cached for a shared prefix, freed and handed to a new prompt, or filled by a PD transfer). A step with more
+rows than the whole buffer writes its own at once. So the waiting rows always belong to slots that running
 requests hold, and nothing else reads or writes those slots' draft K/V in the meantime.
 With ``--speculative-adaptive`` the same draft-free step is chosen by a measured cost model instead
 (``speculative/adaptive.py``: per batch-size bucket, drafted vs plain tokens per second); the batch-size
@@ -44,6 +46,8 @@ from sglite.srt.layers.logits_processor import LogitsProcessorOutput, logprobs_w
 from sglite.srt.layers.sampler import Sampler, mixed_seed
 from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.schedule_batch import ScheduleBatch
+from sglite.srt.mem_cache.memory_pool import DeferredContextRows
+from sglite.srt.mem_cache.pool_plan import MemoryPlanError
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglite.srt.speculative.adaptive import AdaptiveSpeculation
 from sglite.srt.speculative.dflash_utils import (
@@ -62,12 +66,6 @@ logger = logging.getLogger(__name__)
 # ``cap-accept`` cuts the verified block where the confidence head's predicted acceptance drops below
 # the threshold. (SGLang's ``compact`` packs per-request windows; sglite's verify forward is uniform.)
 RAGGED_VERIFY_MODES = ("static", "cap-accept")
-
-# Feature rows of draft-free steps waiting for their draft context K/V write (module docstring); the bound
-# keeps their memory small (256 rows of the default pair's 4 x 576 fp32 features: 2.4 MB) while one
-# catch-up still writes many rows per GEMM.
-MAX_DEFERRED_CONTEXT_ROWS = 256
-
 
 @dataclass
 class DFlashStepStats:
@@ -185,9 +183,9 @@ class DFlashWorker(BaseModelWorker):
         self.sampler = Sampler(seed=random_seed)
         self._verify_generator = torch.Generator(device=self.device).manual_seed(random_seed)
         self.last_step: Optional[DFlashStepStats] = None
-        # Draft-free steps' (features, positions, slots) whose draft context K/V is not written yet (module docstring).
-        self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._deferred_rows = 0
+        # Draft-free steps' (features, positions, slots) whose draft context K/V is not written yet (module
+        # docstring): the planned buffer the draft's pools were built with.
+        self.deferred_context = self._planned_deferred_context(draft_runner.kv_pools.deferred_context)
 
     # ------------------------------------------------------------------ seam
     # inference_mode, as TpModelWorker: no version counters or view tracking on the ~1100 small ops of a
@@ -255,11 +253,11 @@ class DFlashWorker(BaseModelWorker):
     @torch.inference_mode()
     def flush_deferred_kv(self) -> None:
         """Write the deferred draft-free steps' features as draft context K/V, in one batched pass."""
-        if not self._deferred:
+        buf = self.deferred_context
+        if buf is None or buf.size == 0:
             return
-        aux, positions, slots = (torch.cat(parts) for parts in zip(*self._deferred))
-        self._deferred, self._deferred_rows = [], 0
-        self.draft_model.write_context_kv(aux, positions, slots, self.draft_runner.token_to_kv_pool)
+        self.draft_model.write_context_kv(*buf.pending(), self.draft_runner.token_to_kv_pool)
+        buf.clear()
 
     def _decode_with_draft(self, batch: ScheduleBatch, slots: torch.Tensor) -> list[list[int]]:
         """Draft block, target verify, accept, committed features as draft context K/V; 1..n+1 tokens each."""
@@ -369,13 +367,44 @@ class DFlashWorker(BaseModelWorker):
         """Keep a draft-free step's feature rows for the next catch-up (``flush_deferred_kv``)."""
         if out.aux_hidden_states is None:
             raise RuntimeError("the target returned no aux hidden states; it must capture the draft's target layers")
-        aux = out.aux_hidden_states
-        if self.device.type != "cpu":  # a replayed CUDA graph reuses its buffers at the next step (CPU: fresh tensors)
-            aux, positions, slots = aux.clone(), positions.clone(), slots.clone()
-        self._deferred.append((aux, positions, slots))
-        self._deferred_rows += int(slots.numel())
-        if self._deferred_rows >= MAX_DEFERRED_CONTEXT_ROWS:
+        buf = self.deferred_context
+        if buf is None:
+            raise RuntimeError("a draft-free step without a deferred context buffer; the memory plan must price it")
+        rows = int(slots.numel())
+        if rows > buf.free_rows:  # the buffer never grows (its bytes are planned): make room first
             self.flush_deferred_kv()
+        if rows > buf.capacity:  # wider than the whole buffer: already one large GEMM, nothing to batch
+            self._write_context(out, positions, slots)
+            return
+        buf.append(out.aux_hidden_states, positions, slots)  # a copy: a replayed CUDA graph reuses its outputs
+        if buf.free_rows == 0:
+            self.flush_deferred_kv()
+
+    def _planned_deferred_context(self, buf: Optional[DeferredContextRows]) -> Optional[DeferredContextRows]:
+        """The draft pools' deferred context buffer, checked against this worker and the memory plan.
+
+        It exists exactly when decode steps may skip the draft (the plan reads the same flags), holds this
+        draft's feature width in the target's dtype, and its bytes are the plan's ``draft_deferred_context``.
+        """
+        skips = not self.prefill_only and (self.disable_by_batch_size is not None or self.adaptive is not None)
+        if skips != (buf is not None):
+            raise MemoryPlanError(
+                f"decode steps {'may' if skips else 'never'} skip the draft but the memory plan "
+                f"{'has no' if buf is None else 'has a'} deferred draft context buffer; the plan and the worker "
+                "must read the same --speculative-adaptive / --speculative-disable-by-batch-size"
+            )
+        if buf is None:
+            return None
+        width = len(self.capture_layers) * int(self.draft_model.config.hidden_size)
+        if (buf.feature_width, buf.dtype) != (width, self.target_runner.dtype):
+            raise MemoryPlanError(
+                f"the planned deferred context buffer holds {buf.feature_width}-wide {buf.dtype} features; this "
+                f"draft captures {width}-wide {self.target_runner.dtype} ones"
+            )
+        planned = self.target_runner.memory_pool_config.planned_pool_bytes.get("draft_deferred_context")
+        if buf.nbytes() != planned:
+            raise MemoryPlanError(f"deferred draft context buffer allocated {buf.nbytes()} B, planned {planned} B")
+        return buf
 
     def _write_context(
         self,

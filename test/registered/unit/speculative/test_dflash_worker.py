@@ -591,18 +591,27 @@ def test_spec_cap_length_in_meta_info_only_when_blocks_were_trimmed(trained, tmp
                 assert cap is not None and 1 <= cap < worker.num_proposed_drafts
 
 
-def test_disable_by_batch_size_crosses_both_ways_and_stays_lossless(trained):
+@pytest.mark.parametrize("buffer_rows", [None, 5, 2])
+def test_disable_by_batch_size_crosses_both_ways_and_stays_lossless(trained, monkeypatch, buffer_rows):
     """Drafting stops while >= 3 requests decode and resumes after; the draft's context KV stays complete.
 
     A long request drafts alone, three short ones join (plain target steps: one token each, no drafts),
     they finish and A drafts again. Every output equals target-only greedy decoding, and from the step
     A resumes drafting its per-step acceptance lengths equal the reference loop started fresh on A's
     tokens before its anchor: proof that the plain steps wrote the draft context K/V the resumed draft reads.
+    With a small deferred context buffer the 4-row steps take the other paths: 5 rows flush the waiting
+    rows before a step that would not fit; 2 rows are fewer than one step, which writes its rows at once.
     """
+    import sglite.srt.model_executor.pool_configurator as pc
+
+    if buffer_rows is not None:
+        monkeypatch.setattr(pc, "MAX_DEFERRED_CONTEXT_ROWS", buffer_rows)
     target_dir, tr, target, draft = trained
     prompt_a = tr.prompts[0]
     others = random_prompts(3, seed=11, min_len=3, max_len=10)
+    waiting = []  # deferred rows before each step
     with spec_scheduler(target_dir, tr.draft_dir, speculative_disable_by_batch_size=3) as (sched, worker):
+        assert worker.deferred_context.capacity == (buffer_rows or 256)
         sched.add_request(TokenizedGenerateReqInput(rid="a", input_text=None, input_ids=list(prompt_a),
                                                     sampling_params=greedy(40), stream=True))
         ids: dict[str, list[int]] = {}
@@ -616,6 +625,7 @@ def test_disable_by_batch_size_crosses_both_ways_and_stays_lossless(trained):
                 break
             before = len(ids.get("a", []))
             worker.last_step = None
+            waiting.append(worker.deferred_context.size)
             for msg in sched.step():
                 for j, rid in enumerate(msg.rids):
                     ids.setdefault(rid, []).extend(msg.output_ids[j])
@@ -625,6 +635,9 @@ def test_disable_by_batch_size_crosses_both_ways_and_stays_lossless(trained):
     assert ids["a"] == target_greedy(target, prompt_a, 40)
     for i, p in enumerate(others):
         assert ids[f"o{i}"] == target_greedy(target, p, 6)
+    # Rows wait in whole steps: several in the default buffer, one in 5 rows (two 4-row steps would overflow
+    # it: the second flushes first), none in 2 (a step writes its own rows at once).
+    assert {None: max(waiting) >= 8, 5: 0 < max(waiting) <= 4, 2: max(waiting) == 0}[buffer_rows], waiting
     kinds = [d for _, d, _ in a_steps]
     off = kinds.index(False)
     back = off + kinds[off:].index(True)
@@ -736,7 +749,7 @@ def _pause_and_resume(target_dir, draft_dir, prompt, pattern, max_new):
                                                     sampling_params=greedy(max_new), stream=True))
         ids, steps = [], []
         while sched.has_work():
-            pending.append(worker._deferred_rows)
+            pending.append(worker.deferred_context.size)
             for msg in sched.step():
                 ids.extend(msg.output_ids[0])
                 steps.append(len(msg.output_ids[0]))
@@ -746,14 +759,14 @@ def _pause_and_resume(target_dir, draft_dir, prompt, pattern, max_new):
 def test_draft_free_steps_defer_the_draft_context_and_a_resumed_block_sees_it_complete(trained, monkeypatch):
     """Draft-free steps only keep their feature rows; the drafted step that follows writes them in one pass
     first. Output, per-step acceptance and the draft K/V the resumed block reads equal a run that writes the
-    context K/V every step (MAX_DEFERRED_CONTEXT_ROWS = 1), and the output is target-only greedy decoding."""
-    import sglite.srt.speculative.dflash_worker as dw
+    context K/V every step (a one-row deferred context buffer), and the output is target-only greedy decoding."""
+    import sglite.srt.model_executor.pool_configurator as pc
 
     target_dir, tr, target, draft = trained
     prompt, max_new = tr.prompts[0], 30
     pattern = [True, True] + [False] * 8 + [True] * 40
     ids, steps, pending, kv = _pause_and_resume(target_dir, tr.draft_dir, prompt, pattern, max_new)
-    monkeypatch.setattr(dw, "MAX_DEFERRED_CONTEXT_ROWS", 1)
+    monkeypatch.setattr(pc, "MAX_DEFERRED_CONTEXT_ROWS", 1)
     ids_eager, steps_eager, pending_eager, kv_eager = _pause_and_resume(target_dir, tr.draft_dir, prompt, pattern, max_new)
     assert ids == ids_eager == target_greedy(target, prompt, max_new)
     assert steps == steps_eager and max(steps[1 + 10:]) > 1  # the resumed draft is accepted again
@@ -763,6 +776,32 @@ def test_draft_free_steps_defer_the_draft_context_and_a_resumed_block_sees_it_co
     assert len(kv) == len(kv_eager) > 0
     for a, b in zip(kv, kv_eager):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_deferred_context_buffer_is_the_planned_one(trained):
+    """Draft-free steps defer into the buffer the plan priced (allocated bytes == planned bytes, as every pool);
+    without the flags there is neither buffer nor plan line, and a worker that could skip the draft on such a
+    plan is refused."""
+    from sglite.srt.mem_cache.pool_plan import MemoryPlanError
+    from sglite.srt.speculative.adaptive import AdaptiveSpeculation
+    from sglite.srt.speculative.dflash_worker import DFlashWorker
+
+    target_dir, tr, _, _ = trained
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True) as (_, worker):
+        buf = worker.deferred_context
+        planned = worker.target_runner.memory_pool_config.planned_pool_bytes["draft_deferred_context"]
+        hidden = worker.target_model.config.hidden_size
+        # 256 rows of the captured layers' fp32 features, plus an int64 position and slot each
+        assert buf.nbytes() == planned == 256 * (len(worker.capture_layers) * hidden * 4 + 8 + 8)
+        assert buf is worker.draft_runner.kv_pools.deferred_context
+        report = worker.rank_report()
+        assert report["allocated_pool_bytes"]["draft_deferred_context"] == planned
+        assert report["planned_pool_bytes"] == report["allocated_pool_bytes"]
+    with spec_scheduler(target_dir, tr.draft_dir) as (_, worker):
+        assert worker.deferred_context is None
+        assert "draft_deferred_context" not in worker.target_runner.memory_pool_config.planned_pool_bytes
+        with pytest.raises(MemoryPlanError, match="no deferred draft context buffer"):
+            DFlashWorker(worker.target_runner, worker.draft_runner, adaptive=AdaptiveSpeculation())
 
 
 @pytest.mark.parametrize("radix", [True, False])
@@ -779,12 +818,12 @@ def test_deferred_context_is_written_before_its_slots_are_reused(trained, radix)
         flush, flushed = worker.flush_deferred_kv, []
 
         def spy_flush():
-            flushed.append(worker._deferred_rows)
+            flushed.append(worker.deferred_context.size)
             flush()
 
         worker.flush_deferred_kv = spy_flush
         first = generate(sched, [base], [greedy(12)], rid_prefix="a")
-        assert max(flushed) == 11 and worker._deferred_rows == 0  # its 11 draft-free steps, written at its release
+        assert max(flushed) == 11 and worker.deferred_context.size == 0  # its 11 draft-free steps, written at its release
         alloc = sched.allocator
         if not radix:  # hand its freed K/V slots (the last free) out first, as the allocator does once it cycles
             freed = alloc._released[::-1] + [alloc._free_pages]
