@@ -315,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-draft-kv-cache-dtype", choices=KV_CACHE_DTYPES)
     p.add_argument("--speculative-num-draft-tokens", type=int)
     p.add_argument("--speculative-dspark-block-size", type=int)
+    p.add_argument("--speculative-disable-by-batch-size", type=int,
+                   help="DFLASH/DSPARK: batches this large skip the draft (plans the deferred draft context buffer)")
+    p.add_argument("--speculative-adaptive", action="store_true", default=None,
+                   help="DFLASH/DSPARK: draft only while it pays (plans the deferred draft context buffer)")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")
@@ -388,6 +392,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             speculative_draft_kv_cache_dtype=a.speculative_draft_kv_cache_dtype,
             speculative_num_draft_tokens=a.speculative_num_draft_tokens,
             speculative_dspark_block_size=a.speculative_dspark_block_size,
+            speculative_disable_by_batch_size=a.speculative_disable_by_batch_size,
+            speculative_adaptive=a.speculative_adaptive,
             tp_size=a.tp_size, dp_size=a.dp_size, enable_dp_attention=a.enable_dp_attention,
             attn_cp_size=a.attn_cp_size, mem_fraction_static=a.mem_fraction_static, device=a.device,
             cpu_kv_cache_budget_mb=a.cpu_kv_cache_budget_mb, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,

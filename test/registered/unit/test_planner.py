@@ -181,6 +181,40 @@ def test_seeds_case_through_the_cli(capsys):
     assert all(r["attn_tp_size"] == 16 and r["draft_cell_bytes"] == 2560 for r in no_dpa)
 
 
+def test_draft_free_steps_plan_the_deferred_context_line(capsys):
+    """--speculative-disable-by-batch-size (or --speculative-adaptive) plans the draft-free steps' deferred
+    context buffer on every rank: its own pool line, planned == allocated, paid for with KV tokens."""
+    args = [
+        "--model-path", os.path.join(CONFIGS, "qwen3-8b.json"), "--speculative-algorithm", "DFLASH",
+        "--speculative-draft-model-path", os.path.join(CONFIGS, "qwen3-8b-dflash-b16.json"),
+        "--tp-size", "2", "--device-memory-gb", "141",
+    ]
+    assert main(args + ["--json"]) == 0
+    off = json.loads(capsys.readouterr().out)["ranks"]
+    assert main(args + ["--speculative-disable-by-batch-size", "8", "--json"]) == 0
+    on = json.loads(capsys.readouterr().out)["ranks"]
+    for r_off, r in zip(off, on):
+        pools = {p["name"]: p for p in r["pools"]}
+        assert "draft_deferred_context" not in {p["name"] for p in r_off["pools"]}
+        # 256 rows of the 5 captured layers x hidden 4096 in bf16, plus an int64 position and slot each
+        deferred = 256 * (5 * 4096 * 2 + 8 + 8)
+        assert pools["draft_deferred_context"]["planned_bytes"] == pools["draft_deferred_context"]["allocated_bytes"]
+        assert pools["draft_deferred_context"]["planned_bytes"] == deferred
+        assert r["max_total_num_tokens"] < r_off["max_total_num_tokens"]
+        assert sum(p["planned_bytes"] for p in r["pools"]) <= r["budget_bytes"]
+    assert main(args + ["--speculative-disable-by-batch-size", "8"]) == 0
+    table = capsys.readouterr().out
+    (line,) = [ln for ln in table.splitlines() if "draft_deferred_context" in ln]
+    assert line.split()[1:] == [str(deferred), str(deferred), "yes"]
+    # --speculative-adaptive needs one rank per scheduler: refused as the server refuses it.
+    with pytest.raises(SystemExit):
+        main(args + ["--speculative-adaptive"])
+    assert "--speculative-adaptive needs --tp-size 1" in capsys.readouterr().err
+    assert main(args[:-4] + ["--device-memory-gb", "141", "--speculative-adaptive", "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["ranks"]
+    assert {p["name"]: p["planned_bytes"] for p in r["pools"]}["draft_deferred_context"] == deferred
+
+
 def test_human_table_and_weights_override(capsys):
     rc = main([
         "--model-path", os.path.join(CONFIGS, "gpt-oss-120b.json"), "--tp-size", "4",
