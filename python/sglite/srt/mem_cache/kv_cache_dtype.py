@@ -22,11 +22,20 @@ _NAMED_KV_DTYPES: dict[str, torch.dtype] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 
-_MODEL_DTYPES: dict[str, torch.dtype] = {
+# Runtime (weight and activation) dtypes a model may run in; ModelConfig.dtype is always one of these names.
+MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+def model_runtime_dtype(dtype_flag: Optional[str], model_config: Any) -> torch.dtype:
+    """The dtype a model runs in: ``--dtype`` unless ``auto``, then the checkpoint's (the one owner of this rule)."""
+    name = getattr(model_config, "dtype", None) if dtype_flag in (None, "auto") else dtype_flag
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"--dtype {dtype_flag!r} resolves to {name!r}, which is not one of {sorted(MODEL_DTYPES)}")
+    return MODEL_DTYPES[name]
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -39,12 +48,12 @@ def _model_dtype_of(model_config: Any, model_dtype: Optional[torch.dtype], who: 
     if model_dtype is not None:
         return model_dtype
     name = getattr(model_config, "dtype", None)
-    if name not in _MODEL_DTYPES:
+    if name not in MODEL_DTYPES:
         raise KVCacheDtypeError(
             f"{who} KV cache dtype 'auto' needs the model dtype, but its config has dtype={name!r}; "
             f"set {'--speculative-draft-kv-cache-dtype' if who == 'draft' else '--kv-cache-dtype'} explicitly"
         )
-    return _MODEL_DTYPES[name]
+    return MODEL_DTYPES[name]
 
 
 def configure_kv_cache_dtype(

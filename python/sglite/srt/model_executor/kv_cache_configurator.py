@@ -23,7 +23,7 @@ import torch
 
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
-from sglite.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
+from sglite.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype, model_runtime_dtype
 from sglite.srt.mem_cache.memory_pool import DeferredContextRows, ReqToTokenPool
 from sglite.srt.mem_cache.pool_plan import MemoryPlanError, MemoryPoolConfig, dtype_name
 from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
@@ -43,18 +43,17 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 GiB = 1 << 30
 
-_MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 # ====================================================================== budget
 
 
 def resolve_model_dtype(dtype_flag: str, model_config: ModelConfig) -> torch.dtype:
-    """Runtime dtype: ``--dtype`` unless ``auto``, then the checkpoint's."""
-    name = model_config.dtype if dtype_flag in (None, "auto") else dtype_flag
-    if name not in _MODEL_DTYPES:
-        raise MemoryPlanError(f"model dtype {name!r} is unknown; set --dtype to one of {list(_MODEL_DTYPES)}")
-    return _MODEL_DTYPES[name]
+    """Runtime dtype (``model_runtime_dtype``); an unknown one is a plan error."""
+    try:
+        return model_runtime_dtype(dtype_flag, model_config)
+    except ValueError as e:
+        raise MemoryPlanError(str(e)) from e
 
 
 def get_free_device_memory(device: str) -> int:

@@ -21,6 +21,7 @@ from sglite.srt.layers.attention.registry import create_attention_backend
 from sglite.srt.layers.cpu_gemm import pack_weights_for_cpu
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.layers.sampler import Sampler
+from sglite.srt.mem_cache.kv_cache_dtype import model_runtime_dtype
 from sglite.srt.model_executor.kv_cache_configurator import (
     KVBudgetInputs,
     KVCacheConfigurator,
@@ -37,7 +38,7 @@ from sglite.srt.model_executor.forward_batch_info import (
     idle_forward_batch,
 )
 from sglite.srt.model_executor.cuda_graph_runner import CudaGraphRunner, build_cuda_graph_runners
-from sglite.srt.model_loader.loader import load_model, resolve_dtype
+from sglite.srt.model_loader.loader import load_model
 from sglite.srt.runtime_context import get_parallel
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.srt.server_args import ServerArgs
@@ -73,7 +74,13 @@ class ModelRunner:
             raise ValueError(f"ModelRunner needs a model directory: set {flag} (or pass model_path=)")
         self.model_path = path
         self.model_config = ModelConfig.from_path(path)
-        self.dtype = resolve_dtype(server_args.dtype, self.model_config)
+        # A draft reads the target's hidden states and shares its embedding and LM head, and the plan prices
+        # its KV in the target's dtype; so under --dtype auto it runs in the target's dtype, whatever its
+        # checkpoint stores (a bf16-stored draft of an fp32 target is upcast, losslessly).
+        if is_draft and server_args.dtype in (None, "auto"):
+            self.dtype = target_runner.dtype
+        else:
+            self.dtype = model_runtime_dtype(server_args.dtype, self.model_config)
 
         # 1. Parallel runtime (a draft reuses the target's groups).
         if is_draft:

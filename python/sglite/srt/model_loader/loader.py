@@ -58,13 +58,4 @@ def load_model(
     return model.eval()
 
 
-def resolve_dtype(dtype_flag: str, model_config: ModelConfig) -> torch.dtype:
-    """--dtype to a torch dtype; 'auto' takes the checkpoint's dtype."""
-    name = model_config.dtype if dtype_flag == "auto" else dtype_flag
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if name not in table:
-        raise ValueError(f"--dtype {dtype_flag!r} resolves to {name!r}, which is not one of {sorted(table)}")
-    return table[name]
-
-
-__all__ = ["load_model", "resolve_dtype", "WeightLoadingError"]
+__all__ = ["load_model", "WeightLoadingError"]

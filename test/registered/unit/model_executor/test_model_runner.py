@@ -125,3 +125,41 @@ def test_bfloat16_runner(model_dir, rank0):
         ref = hf(torch.tensor([prompt])).logits[0, -1].float()
     assert logits.dtype == torch.float32
     assert (logits - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+def test_draft_runs_in_the_target_dtype_whatever_it_stores(dflash_pair, tmp_path, rank0):
+    """A bf16-stored draft of an fp32 target runs in fp32 under --dtype auto (it shares the target's head and
+    hidden states, and the plan prices its KV in the target's dtype): the same logits as an fp32 copy of the
+    bf16-rounded weights."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target_dir, draft_dir = dflash_pair
+    weights = load_file(f"{draft_dir}/model.safetensors")
+    copies = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        d = tmp_path / name
+        shutil.copytree(draft_dir, d)
+        save_file({k: v.to(torch.bfloat16).to(dtype).contiguous() for k, v in weights.items()}, str(d / "model.safetensors"))
+        config = json.loads((d / "config.json").read_text())
+        config["dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        config.pop("torch_dtype", None)
+        (d / "config.json").write_text(json.dumps(config))
+        copies[name] = str(d)
+    args = ServerArgs(
+        model_path=target_dir, device="cpu", cpu_kv_cache_budget_mb=1,
+        speculative_algorithm="DFLASH", speculative_draft_model_path=copies["bf16"],
+    ).validate()
+    target = ModelRunner(args)
+    row = target.req_to_token_pool.alloc(1)[0]
+    target.forward(target.build_forward_batch(ForwardMode.EXTEND, [(row, 0, [5, 6, 7, 8, 9])], capture_aux_hidden_layers=[1, 2]))
+    logits = {}
+    for name, path in copies.items():
+        draft = ModelRunner(args, is_draft=True, target_runner=target, model_path=path)
+        assert draft.dtype == target.dtype == torch.float32
+        assert draft.model.fc.weight.dtype == torch.float32
+        block = draft.build_forward_batch(ForwardMode.DRAFT_BLOCK, [(row, 0, [5, 511, 511, 511])])
+        logits[name] = draft.forward(block).next_token_logits
+    assert torch.equal(logits["bf16"], logits["fp32"])
