@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+import torch
+
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelConfigError
 from sglite.srt.distributed.bootstrap import simulate_rank
 from sglite.srt.managers.base_model_worker import build_rank_report, format_rank_report
@@ -42,9 +44,10 @@ from sglite.srt.server_args import KV_CACHE_DTYPES, SPECULATIVE_ALGORITHMS, Serv
 # ====================================================================== weights estimate
 
 
-def _weight_elem_bytes(mc: ModelConfig) -> tuple[float, float]:
-    """(bytes per dense linear weight, bytes per expert weight) from the checkpoint's quantization."""
-    dtype_bytes = 4.0 if mc.dtype == "float32" else 2.0
+def _weight_elem_bytes(mc: ModelConfig, dtype: Optional[torch.dtype] = None) -> tuple[float, float]:
+    """(bytes per dense linear weight, bytes per expert weight): the runtime ``dtype`` (default: the
+    checkpoint's), except where the checkpoint is quantized."""
+    dtype_bytes = float(dtype.itemsize) if dtype is not None else (4.0 if mc.dtype == "float32" else 2.0)
     quant = (mc.hf_config.get("quantization_config") or {}).get("quant_method")
     if quant == "fp8":
         return 1.0, 1.0
@@ -87,7 +90,7 @@ def _mlp_params(mc: ModelConfig, layer: int) -> tuple[float, float]:
 
 
 def estimate_weight_bytes_per_rank(
-    mc: ModelConfig, tp_size: int, attn_tp_size: int, *, with_embeddings: bool = True
+    mc: ModelConfig, tp_size: int, attn_tp_size: int, *, with_embeddings: bool = True, dtype: Optional[torch.dtype] = None
 ) -> int:
     """Weights one rank holds, estimated from the config.
 
@@ -96,10 +99,11 @@ def estimate_weight_bytes_per_rank(
     projection count (q/o and KV heads split over attention TP, KV heads replicated past their count,
     MLA's kv_a replicated), MLPs and experts split over the whole TP group, the embedding
     vocab-parallel over attention TP and the LM head over TP (one shared tensor when tied and the
-    widths agree); bytes per weight from the dtype (fp8 checkpoints 1 B; MXFP4 experts 4.25 bits).
+    widths agree); bytes per weight from the runtime ``dtype`` (default: the checkpoint's; fp8 checkpoints
+    1 B; MXFP4 experts 4.25 bits).
     Norms, biases and routers' small terms are left out (< 0.1 %).
     """
-    dense_b, expert_b = _weight_elem_bytes(mc)
+    dense_b, expert_b = _weight_elem_bytes(mc, dtype)
     total = 0.0
     for i, kind in enumerate(mc.layer_kinds):
         total += _attn_params_per_rank(mc, kind, attn_tp_size) * dense_b
@@ -135,18 +139,20 @@ def _block_draft_head_params(draft: ModelConfig) -> int:
     return total
 
 
-def estimate_draft_weight_bytes_per_rank(draft: ModelConfig, algorithm: str, tp_size: int, attn_tp_size: int) -> int:
-    """Draft weights on one rank.
+def estimate_draft_weight_bytes_per_rank(
+    draft: ModelConfig, algorithm: str, tp_size: int, attn_tp_size: int, *, dtype: Optional[torch.dtype] = None
+) -> int:
+    """Draft weights on one rank, in the runtime ``dtype`` (a draft runs in its target's under --dtype auto).
 
     DFLASH/DSPARK: its layers plus ``fc`` and DSPARK's Markov / confidence heads (replicated); the
     embedding and LM head are the target's (a checkpoint's copies are dropped at load, as speculators
     and SGLang do), so they are not counted twice. EAGLE/STANDALONE are whole small models.
     """
     if algorithm in ("DFLASH", "DSPARK"):
-        dense_b, _ = _weight_elem_bytes(draft)
-        layers = estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=False)
+        dense_b, _ = _weight_elem_bytes(draft, dtype)
+        layers = estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=False, dtype=dtype)
         return layers + int(_block_draft_head_params(draft) * dense_b)
-    return estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=True)
+    return estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=True, dtype=dtype)
 
 
 # ====================================================================== simulation
@@ -238,10 +244,10 @@ def plan_rank(
             if device_memory_bytes is None:
                 raise MemoryPlanError("planning a CUDA topology needs --device-memory-gb")
             if weights_bytes is None:
-                weights_bytes = estimate_weight_bytes_per_rank(model_config, sa.tp_size, par.attn_tp_size)
+                weights_bytes = estimate_weight_bytes_per_rank(model_config, sa.tp_size, par.attn_tp_size, dtype=model_dtype)
                 if aux.has_draft:
                     weights_bytes += estimate_draft_weight_bytes_per_rank(
-                        aux.draft_model_config, aux.algorithm, sa.tp_size, par.attn_tp_size
+                        aux.draft_model_config, aux.algorithm, sa.tp_size, par.attn_tp_size, dtype=model_dtype
                     )
         budget = KVBudgetInputs()
         if device == "cuda":

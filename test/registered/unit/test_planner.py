@@ -369,3 +369,21 @@ def test_dspark_draft_weight_estimate_counts_its_own_heads(one_rank, head_type):
     assert estimate_draft_weight_bytes_per_rank(cfg, "DSPARK", 1, 1) == built
     heads = sum(p.numel() * 2 for n, p in model.named_parameters() if n.startswith(("markov_head", "confidence")))
     assert heads >= 2 * 151936 * 256 * 2  # markov_w1 + markov_w2 are counted
+
+
+def test_weight_estimate_follows_the_runtime_dtype(one_rank):
+    """The estimate prices weights in the dtype they run in: --dtype float32 on a bf16 checkpoint doubles the
+    dense bytes, and a draft (which runs in its target's dtype) is priced in that dtype, not its file's."""
+    import torch
+
+    from sglite.srt.models.dspark import DSparkDraftModel
+    from sglite.srt.planner import estimate_draft_weight_bytes_per_rank
+
+    cfg = ModelConfig.from_dict(_raw("dspark-qwen3-8b-block7.json"), path="<d>")
+    assert cfg.dtype == "bfloat16"
+    assert estimate_weight_bytes_per_rank(cfg, 1, 1, dtype=torch.bfloat16) == estimate_weight_bytes_per_rank(cfg, 1, 1)
+    assert estimate_weight_bytes_per_rank(cfg, 1, 1, dtype=torch.float32) == 2 * estimate_weight_bytes_per_rank(cfg, 1, 1)
+    with torch.device("meta"):
+        model = DSparkDraftModel(cfg, params_dtype=torch.float32)
+    built = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n)
+    assert estimate_draft_weight_bytes_per_rank(cfg, "DSPARK", 1, 1, dtype=torch.float32) == built
