@@ -116,6 +116,15 @@ class DraftConfig:
     chunk_offset: int = 0
     max_minutes: float = 0.0  # >0: stop training after this long (steps done go in the summary)
     stop_after_steps: int = 0  # >0: stop after this many steps of the --draft-steps schedule (reproduces a cut run)
+    # >0: the loss scores only block slots 1..k (the LM head, most of a step's FLOPs, then runs on k of B-1 rows);
+    # 0 scores every slot.
+    loss_slots: int = 0
+    # "28,29": start the draft's layers from these target layers (attention and MLP weights; Qwen3's q/k norms
+    # start at 1). Needs --draft-intermediate-size equal to the target's (1536).
+    init_layers: str = ""
+    # The stored weights' dtype. sglite runs a draft in its target's dtype (fp32 here), so bf16 storage only
+    # halves the file; greedy speculation stays exact because the target verifies every token.
+    save_dtype: str = "float32"
 
 
 def smollm2_gguf() -> str:
@@ -277,7 +286,22 @@ def build_draft(cfg: DraftConfig, target, mask_token_id: int, layer_ids: list[in
     draft = DFlashDraftModel(config)
     # Start the output scale where the target's own final norm puts it (the LM head expects that scale).
     draft.norm.weight.data.copy_(target.model.norm.weight)
+    if cfg.init_layers:
+        copy_target_layers(draft, target, [int(i) for i in cfg.init_layers.split(",")])
     return draft
+
+
+def copy_target_layers(draft, target, layer_ids: list[int]) -> None:
+    """Start draft layer k from target layer ``layer_ids[k]``: every parameter the two layouts share by name and shape."""
+    if len(layer_ids) != len(draft.layers):
+        raise SystemExit(f"--init-layers names {len(layer_ids)} layers, the draft has {len(draft.layers)}")
+    for layer, tid in zip(draft.layers, layer_ids):
+        source = dict(target.model.layers[tid].named_parameters())
+        for name, param in layer.named_parameters():
+            if name in source:
+                if source[name].shape != param.shape:
+                    raise SystemExit(f"--init-layers: {name} is {tuple(source[name].shape)} in the target, {tuple(param.shape)} in the draft")
+                param.data.copy_(source[name])
 
 
 def restricted_vocab(cfg: DraftConfig, data: DraftData, vocab_size: int) -> torch.Tensor:
@@ -410,14 +434,15 @@ def train_draft(cfg: DraftConfig, draft, target, data: DraftData, vocab: torch.T
             target_hidden=ctx,
         )
         N, A = batch.labels.shape[:2]
-        hidden = out.view(N, A, B, -1)[:, :, 1:]
+        k = cfg.loss_slots or B - 1
+        hidden, slot_labels = out.view(N, A, B, -1)[:, :, 1 : 1 + k], batch.labels[..., :k]
         if distill:
-            loss, hit = distill_loss(hidden, finals, batch.labels, head_w, gram, weights, cfg, neg_gen)
+            loss, hit = distill_loss(hidden, finals[:, :, :k], slot_labels, head_w, gram, weights[:k], cfg, neg_gen)
         else:
             logits = F.linear(hidden, head_w)
-            labels = torch.where(batch.labels >= 0, remap[batch.labels.clamp_min(0)], batch.labels)
+            labels = torch.where(slot_labels >= 0, remap[slot_labels.clamp_min(0)], slot_labels)
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none", ignore_index=-100)
-            w = weights.view(1, 1, -1) * (labels != -100).float()
+            w = weights[:k].view(1, 1, -1) * (labels != -100).float()
             loss = (nll.view_as(w) * w).sum() / w.sum()
             hit = logits.argmax(-1) == labels
         opt.zero_grad(set_to_none=True)
@@ -427,7 +452,7 @@ def train_draft(cfg: DraftConfig, draft, target, data: DraftData, vocab: torch.T
         losses.append(loss.item())
         with torch.no_grad():
             # Training-batch tau (for "distill" the argmax is over the sampled candidates only).
-            hit = hit | (batch.labels == -100)
+            hit = hit | (slot_labels == -100)
             taus.append(1.0 + hit.long().cumprod(-1).sum(-1).float().mean().item())
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", tau=f"{np.mean(taus[-20:]):.2f}")
     if eval_data is not None:
@@ -468,6 +493,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if cfg.stage == "data":
         print(f"{sum(len(c.tokens) for c in chunks)} replies in {work}")
         return
+    if cfg.save_dtype not in ("float32", "bfloat16", "float16"):
+        raise SystemExit(f"--save-dtype must be float32, bfloat16 or float16, got {cfg.save_dtype!r}")
     if cfg.loss not in ("distill", "ce"):
         raise SystemExit(f"--loss must be distill or ce, got {cfg.loss!r}")
     if cfg.feature_scale and cfg.init_from:
@@ -500,6 +527,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             draft.fc.weight.mul_(scale)  # fc(x * scale) == (fc.weight * scale)(x): the saved draft takes raw features
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    draft.to(getattr(torch, cfg.save_dtype))
+    draft.config.dtype = cfg.save_dtype
     draft.save_pretrained(out, safe_serialization=True)
     summary = {
         "config": dataclasses.asdict(cfg),

@@ -1,5 +1,6 @@
 """The default draft's training script (scripts/train_default_draft.py): the distillation loss's Gram identity,
-the alignment of the target's final hidden states with the block slots, and the feature-scale fold into fc."""
+the alignment of the target's final hidden states with the block slots, the feature-scale fold into fc, and
+starting the draft's layers from the target's (--init-layers)."""
 
 import importlib.util
 import sys
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 SUITE = "unit-cpu"
-EST_TIME = 5
+EST_TIME = 30
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -72,3 +73,38 @@ def test_feature_scale_folds_into_fc(script):
     with torch.no_grad():
         fc.weight.mul_(scale)
     torch.testing.assert_close(fc(x_raw), expected, rtol=1e-4, atol=1e-4)
+
+
+def _tiny_llama(layers=4, intermediate=48):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_init_layers_copies_the_target_layers(script):
+    target = _tiny_llama()
+    cfg = script.DraftConfig(draft_layers=2, draft_intermediate_size=48, block_size=4, init_layers="2,3")
+    draft = script.build_draft(cfg, target, mask_token_id=0, layer_ids=[1, 2])
+    for layer, tid in zip(draft.layers, (2, 3)):
+        source = dict(target.model.layers[tid].named_parameters())
+        copied = [n for n, _ in layer.named_parameters() if n in source]
+        assert len(copied) == len(source) == 9  # q/k/v/o, gate/up/down, two norms
+        for name, param in layer.named_parameters():
+            if name in source:
+                assert torch.equal(param, source[name]), name
+            else:  # Qwen3's per-head q/k norms have no Llama counterpart: they start at 1
+                assert name.endswith(("q_norm.weight", "k_norm.weight")) and torch.equal(param, torch.ones_like(param))
+    fresh = script.build_draft(script.DraftConfig(draft_layers=2, draft_intermediate_size=48, block_size=4), target, 0, [1, 2])
+    assert not torch.equal(fresh.layers[0].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
+
+
+def test_init_layers_refuses_a_mismatch(script):
+    target = _tiny_llama()
+    with pytest.raises(SystemExit, match="names 1 layers"):
+        script.build_draft(script.DraftConfig(draft_layers=2, draft_intermediate_size=48, init_layers="3"), target, 0, [1, 2])
+    with pytest.raises(SystemExit, match=r"mlp\.gate_proj\.weight is \(48, 32\) in the target, \(40, 32\)"):
+        script.build_draft(script.DraftConfig(draft_layers=2, draft_intermediate_size=40, init_layers="2,3"), target, 0, [1, 2])
