@@ -79,11 +79,12 @@ def test_capital_of_france_is_paris(client, server):
     meta = resp.model_extra["meta_info"]
     assert meta["spec_verify_ct"] >= 1 and meta["spec_accept_length"] >= 1.0
     # The draft really runs: --speculative-adaptive (on for the default pair) drafts while it measures a new
-    # batch size, then only while drafting pays; the server's accept length covers drafted steps only.
+    # batch size (up to warmup_steps = 3 drafted steps), then only while drafting pays; the server's accept
+    # length covers drafted steps only. This ~8-token reply can end before the third drafted step.
     import httpx
 
     state = httpx.get(server.base + "/get_server_info", timeout=30).json()["internal_states"][0]
-    assert state["spec_drafted_steps"] >= 3 and state["avg_spec_accept_length"] >= 1.0
+    assert state["spec_drafted_steps"] >= 1 and state["avg_spec_accept_length"] >= 1.0
 
 
 @pytest.mark.timeout(300)
