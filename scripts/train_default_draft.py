@@ -298,6 +298,8 @@ def copy_target_layers(draft, target, layer_ids: list[int]) -> None:
     """Start draft layer k from target layer ``layer_ids[k]``: every parameter the two layouts share by name and shape."""
     if len(layer_ids) != len(draft.layers):
         raise SystemExit(f"--init-layers names {len(layer_ids)} layers, the draft has {len(draft.layers)}")
+    if not all(0 <= i < len(target.model.layers) for i in layer_ids):
+        raise SystemExit(f"--init-layers {layer_ids}: the target has {len(target.model.layers)} layers")
     for layer, tid in zip(draft.layers, layer_ids):
         source = dict(target.model.layers[tid].named_parameters())
         for name, param in layer.named_parameters():

@@ -98,7 +98,7 @@ def test_init_layers_copies_the_target_layers(script):
                 assert torch.equal(param, source[name]), name
             else:  # Qwen3's per-head q/k norms have no Llama counterpart: they start at 1
                 assert name.endswith(("q_norm.weight", "k_norm.weight")) and torch.equal(param, torch.ones_like(param))
-    fresh = script.build_draft(script.DraftConfig(draft_layers=2, draft_intermediate_size=48, block_size=4), target, 0, [1, 2])
+    fresh = script.build_draft(script.DraftConfig(draft_layers=2, draft_intermediate_size=48, block_size=4, init_layers=""), target, 0, [1, 2])
     assert not torch.equal(fresh.layers[0].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
 
 
@@ -106,5 +106,7 @@ def test_init_layers_refuses_a_mismatch(script):
     target = _tiny_llama()
     with pytest.raises(SystemExit, match="names 1 layers"):
         script.build_draft(script.DraftConfig(draft_layers=2, draft_intermediate_size=48, init_layers="3"), target, 0, [1, 2])
+    with pytest.raises(SystemExit, match="the target has 4 layers"):
+        script.build_draft(script.DraftConfig(draft_layers=2, draft_intermediate_size=48), target, 0, [1, 2])  # default 28,29
     with pytest.raises(SystemExit, match=r"mlp\.gate_proj\.weight is \(48, 32\) in the target, \(40, 32\)"):
         script.build_draft(script.DraftConfig(draft_layers=2, draft_intermediate_size=40, init_layers="2,3"), target, 0, [1, 2])
