@@ -25,6 +25,7 @@ import torch
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelConfigError
 from sglite.srt.distributed.bootstrap import simulate_rank
 from sglite.srt.managers.base_model_worker import build_rank_report, format_rank_report
+from sglite.srt.mem_cache.kv_cache_dtype import model_runtime_dtype
 from sglite.srt.mem_cache.pool_plan import MemoryPlanError, MemoryPoolConfig
 from sglite.srt.model_executor.kv_cache_configurator import (
     GiB,
@@ -47,7 +48,7 @@ from sglite.srt.server_args import KV_CACHE_DTYPES, SPECULATIVE_ALGORITHMS, Serv
 def _weight_elem_bytes(mc: ModelConfig, dtype: Optional[torch.dtype] = None) -> tuple[float, float]:
     """(bytes per dense linear weight, bytes per expert weight): the runtime ``dtype`` (default: the
     checkpoint's), except where the checkpoint is quantized."""
-    dtype_bytes = float(dtype.itemsize) if dtype is not None else (4.0 if mc.dtype == "float32" else 2.0)
+    dtype_bytes = float((dtype or model_runtime_dtype("auto", mc)).itemsize)
     quant = (mc.hf_config.get("quantization_config") or {}).get("quant_method")
     if quant == "fp8":
         return 1.0, 1.0

@@ -37,6 +37,7 @@ def model_runtime_dtype(dtype_flag: Optional[str], model_config: Any) -> torch.d
         raise ValueError(f"--dtype {dtype_flag!r} resolves to {name!r}, which is not one of {sorted(MODEL_DTYPES)}")
     return MODEL_DTYPES[name]
 
+
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -47,13 +48,14 @@ class KVCacheDtypeError(ValueError):
 def _model_dtype_of(model_config: Any, model_dtype: Optional[torch.dtype], who: str) -> torch.dtype:
     if model_dtype is not None:
         return model_dtype
-    name = getattr(model_config, "dtype", None)
-    if name not in MODEL_DTYPES:
+    try:
+        return model_runtime_dtype("auto", model_config)
+    except ValueError:
         raise KVCacheDtypeError(
-            f"{who} KV cache dtype 'auto' needs the model dtype, but its config has dtype={name!r}; "
+            f"{who} KV cache dtype 'auto' needs the model dtype, but its config has "
+            f"dtype={getattr(model_config, 'dtype', None)!r}; "
             f"set {'--speculative-draft-kv-cache-dtype' if who == 'draft' else '--kv-cache-dtype'} explicitly"
-        )
-    return MODEL_DTYPES[name]
+        ) from None
 
 
 def configure_kv_cache_dtype(
