@@ -28,7 +28,7 @@ def rms_normalize(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = 
     formula with upcast, whose rounding order transformers uses.
     """
     if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():  # compiled, Inductor fuses it all
             # CPU ``mean`` is ``sum`` then ``div_`` by the count, and each Python-scalar operand is first
             # copied into a tensor (an extra op with an allocation); fp32 0-dim tensors give the same
             # values (the same kernels run) without those two copies per call.
