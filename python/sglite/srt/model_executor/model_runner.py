@@ -37,6 +37,7 @@ from sglite.srt.model_executor.forward_batch_info import (
     build_forward_batch,
     idle_forward_batch,
 )
+from sglite.srt.model_executor.compiled_decode_runner import build_compiled_decode_runner
 from sglite.srt.model_executor.cuda_graph_runner import CudaGraphRunner, build_cuda_graph_runners
 from sglite.srt.model_loader.loader import load_model
 from sglite.srt.runtime_context import get_parallel
@@ -155,6 +156,10 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(backend_name, self)
         self.sampler = Sampler(seed=server_args.random_seed)
         self.cuda_graph_runners: list[CudaGraphRunner] = build_cuda_graph_runners(self)
+        # 7. CPU: the compiled decode step (--enable-torch-compile), compiled now so no request waits on it.
+        self.compiled_decode = build_compiled_decode_runner(self)
+        if self.compiled_decode is not None:
+            self.compiled_decode.warm_up()
 
     # ------------------------------------------------------------------ start-up helpers
     def _resolve_device(self) -> torch.device:
@@ -226,6 +231,8 @@ class ModelRunner:
         for graph_runner in self.cuda_graph_runners:
             if graph_runner.can_run(forward_batch):
                 return graph_runner.replay(forward_batch)
+        if self.compiled_decode is not None and self.compiled_decode.can_run(forward_batch):
+            return self.compiled_decode.run(forward_batch)
         forward_batch.attn_backend.init_forward_metadata(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -1,0 +1,155 @@
+"""A compiled CPU decode step (``--enable-torch-compile``): the model forward through one Inductor graph.
+
+Eager, a SmolLM2 decode layer launches ~30 small kernels besides its 4 GEMMs, each paying ~15-40 us on
+caches the GEMMs just flushed, and decode attention copies every layer's K/V rows before SDPA. Compiled,
+Inductor fuses the norms, rotary, SiLU*mul and residual adds into a few C++ loops per layer, and the
+paged attention of ``layers/attention/compiled_decode.py`` reads K/V through the slot table
+(docs/benchmarks.md, "Compiled CPU decode"). vLLM's CPU build compiles its forward the same way.
+
+What runs compiled: DECODE forwards of the target (not a draft) with ``2 <= batch <= --torch-compile-max-bs``
+requests (batch 1: see MIN_GRAPH_BS); the model body only (embedding, layers, final norm; the LM head and logits stay eager). Other
+forwards (prefill, mixed, DFLASH verify and draft block, larger batches) run eagerly, as SGLang does
+above its captured batch sizes. One graph serves every batch size it runs; it is compiled at start-up (``warm_up``), so no request waits on a compile. Inductor caches its code on disk,
+so a later start with the same model recompiles faster. The numbers are not
+bit-identical to eager (fused fp32 arithmetic in another order): tests bound the logits difference and
+check greedy output on models with clear margins.
+
+Supported: CPU, TP 1 without DP attention, Llama-family models (Llama, Qwen2, Qwen3), a KV pool stored
+in the model dtype. Anything else is a start-up error naming the flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from sglite.srt.layers.attention.compiled_decode import CompiledDecodeAttention, DecodeSlots, TracedDecodeBatch
+from sglite.srt.layers.logits_processor import LogitsProcessorOutput
+from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglite.srt.models.llama import LlamaForCausalLM
+from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
+
+if TYPE_CHECKING:
+    from sglite.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+FLAG = "--enable-torch-compile"
+# Dynamo specialises a dim of size 1, so batch 1 would need a graph of its own: a second whole-model
+# compile (~80 s on 2 cores). It runs eagerly instead: padded to 2 in the shared graph it measured no
+# faster than eager (SmolLM2 66.6 vs 66.1 ms: the pad row turns each GEMV into a 2-row GEMM).
+MIN_GRAPH_BS = 2
+
+
+class CompiledDecodeError(ValueError):
+    """``--enable-torch-compile`` cannot run this configuration."""
+
+
+def check_compiled_decode_supported(model_runner: "ModelRunner") -> None:
+    """Raise CompiledDecodeError naming the flag when the runner's configuration cannot be compiled.
+
+    ServerArgs.validate already refuses the flag-level cases (device, TP, KV dtype) at the command line;
+    this re-checks them on the live runner and adds what only a loaded model shows (its class).
+    """
+    problems = []
+    if model_runner.device.type != "cpu":
+        problems.append(f"device {model_runner.device.type} (CPU only; CUDA decode uses CUDA graphs)")
+    parallel = model_runner.parallel
+    if int(getattr(parallel, "tp_size", 1)) != 1 or int(getattr(parallel, "attn_dp_size", 1)) != 1:
+        problems.append("tensor or DP-attention parallelism (TP 1 only)")
+    if not isinstance(model_runner.model, LlamaForCausalLM):
+        problems.append(f"model {type(model_runner.model).__name__} (Llama, Qwen2 and Qwen3 only)")
+    pool = model_runner.token_to_kv_pool
+    if getattr(pool, "store_dtype", None) != model_runner.dtype or not hasattr(pool, "k_buffer"):
+        problems.append(f"KV cache dtype {model_runner.kv_cache_dtype} (the model dtype {model_runner.dtype} only)")
+    if problems:
+        raise CompiledDecodeError(f"{FLAG} does not support " + "; ".join(problems))
+
+
+def decode_slots(forward_batch: ForwardBatch) -> DecodeSlots:
+    """The slot table of a decode batch: each request's row of req_to_token, cut at the longest sequence."""
+    max_len = max(forward_batch.seq_lens_cpu)
+    table = forward_batch.req_to_token_pool.req_to_token
+    rows = forward_batch.req_pool_indices.to(table.device).long()
+    return DecodeSlots(  # copies (``to(copy=True)``), never the batch's own tensors: see CompiledDecodeRunner.run
+        kv_indices=table[rows, :max_len].long(),
+        seq_lens=forward_batch.seq_lens.to(torch.int64, copy=True),
+        out_cache_loc=forward_batch.out_cache_loc.to(torch.int64, copy=True),
+    )
+
+
+class CompiledDecodeRunner:
+    """Runs a ModelRunner's eligible decode forwards through ``torch.compile`` of its model body."""
+
+    def __init__(self, model_runner: "ModelRunner") -> None:
+        check_compiled_decode_supported(model_runner)
+        self.model_runner = model_runner
+        self.model: LlamaForCausalLM = model_runner.model
+        self.max_bs = model_runner.server_args.torch_compile_max_bs
+        self.attention = CompiledDecodeAttention(model_runner.token_to_kv_pool)
+        self.capture = self._decode_capture_layers()
+        # Only the batch and key-length dims are symbolic (``run`` marks them); everything else, the capture
+        # list's layer ids included, is a constant of the graph (dynamic=True would trace those ints too).
+        self._compiled = torch.compile(self._model_body, fullgraph=True)
+
+    def _model_body(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: DecodeSlots
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        batch = TracedDecodeBatch(attn_backend=self.attention, slots=slots, capture_aux_hidden_layers=self.capture)
+        return self.model.model(input_ids, positions, batch)
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        """Whether this forward is one the compiled graph serves."""
+        return (
+            forward_batch.forward_mode == ForwardMode.DECODE
+            and MIN_GRAPH_BS <= forward_batch.batch_size <= self.max_bs
+            and forward_batch.input_embeds is None
+            and forward_batch.token_to_kv_pool is self.attention.token_to_kv_pool
+            and (list(forward_batch.capture_aux_hidden_layers or ()) or None) == self.capture
+        )
+
+    @torch.inference_mode()  # as the workers run; Dynamo guards on the mode, so every call matches the graph
+    def run(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """The forward's logits, the model body compiled and the LM head eager."""
+        # Fresh copies made here, under inference mode: Dynamo guards on whether each input is an inference
+        # tensor, which depends on where the caller built its batch (a worker, a test, the warm-up).
+        input_ids, positions = forward_batch.input_ids.clone(), forward_batch.positions.clone()
+        slots = decode_slots(forward_batch)
+        for t in (input_ids, positions, slots.seq_lens, slots.out_cache_loc, slots.kv_indices):
+            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(slots.kv_indices, 1)
+        hidden, aux = self._compiled(input_ids, positions, slots)
+        return self.model.logits_processor(hidden, self.model.lm_head, forward_batch, aux)
+
+    def _decode_capture_layers(self) -> Optional[list[int]]:
+        """The aux layers a decode forward of this target captures: a DFLASH-family target's draft-free steps."""
+        runner = self.model_runner
+        if SpeculativeAlgorithm.from_string(runner.server_args.speculative_algorithm).is_dflash_family():
+            return [int(i) for i in runner.spec_aux_config.target_layer_ids]
+        return None
+
+    def warm_up(self) -> None:
+        """Compile the graph on a dummy decode batch: req row 0 and KV slot 0, the reserved padding."""
+        runner = self.model_runner
+        logger.info("Compile decode forward (torch.compile) begin: batch sizes %d to %d", MIN_GRAPH_BS, self.max_bs)
+        start = time.perf_counter()
+        # MIN_GRAPH_BS + 1 keys per request: a key dim of 1 would be specialised, and one equal to the batch size
+        # would share its symbol (Dynamo's duck sizing); either would recompile on real traffic.
+        batch = runner.build_forward_batch(
+            ForwardMode.DECODE,
+            [(0, MIN_GRAPH_BS, [0])] * MIN_GRAPH_BS,
+            out_cache_loc=torch.zeros(MIN_GRAPH_BS, dtype=torch.int64, device=runner.device),
+            capture_aux_hidden_layers=self.capture,
+        )
+        self.run(batch)
+        logger.info("Compile decode forward (torch.compile) end. elapsed=%.1f s", time.perf_counter() - start)
+
+
+def build_compiled_decode_runner(model_runner: "ModelRunner") -> Optional[CompiledDecodeRunner]:
+    """The runner's compiled decode step under ``--enable-torch-compile`` (targets only), else None."""
+    if not model_runner.server_args.enable_torch_compile or model_runner.is_draft:
+        return None
+    return CompiledDecodeRunner(model_runner)

@@ -1,0 +1,116 @@
+"""--enable-torch-compile: the compiled decode step against the eager forward, its dispatch, and its refusals."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglite.srt.model_executor.compiled_decode_runner import (
+    MIN_GRAPH_BS,
+    CompiledDecodeError,
+    check_compiled_decode_supported,
+)
+from sglite.srt.model_executor.forward_batch_info import ForwardMode
+from sglite.srt.model_executor.model_runner import ModelRunner
+from sglite.srt.server_args import ServerArgs, ServerArgsError
+from sglite.testing.tiny_dflash import TinyDraftSpec, build_tiny_dflash_draft, build_tiny_target
+
+SUITE = "unit-cpu"
+EST_TIME = 60  # two Inductor compiles of a 4-layer model
+
+PROMPTS = [[5, 17, 300, 41, 7], [100, 200, 300], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
+LOGITS_ATOL = 1e-4  # fused fp32 arithmetic in another order: not bit-identical to eager
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("compiled_pair")
+    target = build_tiny_target(str(d / "target"), seed=7)
+    draft = build_tiny_dflash_draft(str(d / "draft"), target, seed=8, spec=TinyDraftSpec(block_size=4))
+    return target, draft
+
+
+def _args(target, **kw):
+    return ServerArgs(
+        model_path=target, device="cpu", cpu_kv_cache_budget_mb=1, max_running_requests=8, context_length=128,
+        enable_torch_compile=True, torch_compile_max_bs=4, **kw,
+    ).validate()
+
+
+def _eager(runner, fb):
+    fb.attn_backend.init_forward_metadata(fb)
+    return runner.model.forward(fb.input_ids, fb.positions, fb)
+
+
+def _decode_both_ways(runner, steps: int, capture=None):
+    """Greedy decode of PROMPTS; each step through the compiled graph and eagerly on the same slots."""
+    rows = runner.req_to_token_pool.alloc(len(PROMPTS))
+    out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, list(zip(rows, [0] * 3, PROMPTS))))
+    nxt, lens = out.next_token_logits.argmax(-1).tolist(), [len(p) for p in PROMPTS]
+    for step in range(steps):
+        # Batches built as a worker builds them (under inference mode) and as a test does: one graph serves both.
+        with torch.inference_mode(step % 2 == 0):
+            fb = runner.build_forward_batch(
+                ForwardMode.DECODE, [(r, n, [t]) for r, n, t in zip(rows, lens, nxt)], capture_aux_hidden_layers=capture
+            )
+        assert runner.compiled_decode.can_run(fb)
+        got = runner.forward(fb)  # compiled (K/V written by the graph)
+        ref = _eager(runner, fb)  # rewrites the same slots with the same K/V
+        torch.testing.assert_close(got.next_token_logits, ref.next_token_logits, atol=LOGITS_ATOL, rtol=0)
+        if capture:
+            torch.testing.assert_close(got.aux_hidden_states, ref.aux_hidden_states, atol=LOGITS_ATOL, rtol=0)
+        assert got.next_token_logits.argmax(-1).tolist() == ref.next_token_logits.argmax(-1).tolist()
+        nxt, lens = ref.next_token_logits.argmax(-1).tolist(), [n + 1 for n in lens]
+    return rows
+
+
+def test_compiled_decode_equals_eager_and_runs_only_what_it_serves(pair_dirs, rank0):
+    runner = ModelRunner(_args(pair_dirs[0]))
+    assert runner.compiled_decode is not None
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    rows = _decode_both_ways(runner, steps=6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the start-up graph served them all
+    one = runner.build_forward_batch(ForwardMode.DECODE, [(rows[0], 20, [3])])
+    assert MIN_GRAPH_BS == 2 and not runner.compiled_decode.can_run(one)  # batch 1: eager
+    many = runner.build_forward_batch(ForwardMode.DECODE, [(r, 1, [3]) for r in runner.req_to_token_pool.alloc(5)])
+    assert not runner.compiled_decode.can_run(many)  # above --torch-compile-max-bs 4: eager
+    ext = runner.build_forward_batch(ForwardMode.EXTEND, [(rows[0], 21, [3, 4])])
+    assert not runner.compiled_decode.can_run(ext)
+
+
+def test_dflash_target_compiles_its_capturing_decode(pair_dirs, rank0):
+    target, draft = pair_dirs
+    runner = ModelRunner(_args(target, speculative_algorithm="DFLASH", speculative_draft_model_path=draft))
+    capture = [int(i) for i in runner.spec_aux_config.target_layer_ids]
+    _decode_both_ways(runner, steps=3, capture=capture)
+    drafter = ModelRunner(
+        _args(target, speculative_algorithm="DFLASH", speculative_draft_model_path=draft), is_draft=True,
+        target_runner=runner,
+    )
+    assert drafter.compiled_decode is None  # a draft never decodes
+
+
+def test_unsupported_configurations_are_errors_naming_the_flag():
+    def runner(**kw):
+        base = dict(
+            device=torch.device("cpu"), parallel=SimpleNamespace(tp_size=1, attn_dp_size=1),
+            model=SimpleNamespace(), token_to_kv_pool=SimpleNamespace(store_dtype=torch.float32, k_buffer=[]),
+            dtype=torch.float32, kv_cache_dtype=torch.float32,
+        )
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    with pytest.raises(CompiledDecodeError, match="--enable-torch-compile does not support model SimpleNamespace"):
+        check_compiled_decode_supported(runner())
+    with pytest.raises(CompiledDecodeError, match="TP 1 only"):
+        check_compiled_decode_supported(runner(parallel=SimpleNamespace(tp_size=2, attn_dp_size=1)))
+    with pytest.raises(CompiledDecodeError, match="KV cache dtype"):
+        check_compiled_decode_supported(runner(token_to_kv_pool=SimpleNamespace(store_dtype=torch.uint8, k_buffer=[])))
+    for flags, msg in (
+        (dict(device="cuda"), "CPU only"),
+        (dict(tp_size=2), "--tp-size 1"),
+        (dict(kv_cache_dtype="fp8_e4m3"), "fp8 --kv-cache-dtype"),
+        (dict(torch_compile_max_bs=1), "--torch-compile-max-bs must be >= 2"),
+    ):
+        with pytest.raises(ServerArgsError, match=msg):
+            ServerArgs(model_path="x", enable_torch_compile=True, **flags).validate()
