@@ -31,8 +31,9 @@ REPO = os.path.dirname(HERE)
 PEERS_VENV = os.environ.get("PEERS_VENV", "/work/venvs/vllm")
 LLAMA_VENV = os.environ.get("LLAMA_VENV", "/work/venvs/llama")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-ENGINES = ("sglite", "vllm", "ct2", "llamacpp", "transformers")
-SERVED = ("sglite", "vllm", "llamacpp")  # engines with an OpenAI-compatible server
+# sglite-compile: sglite with --enable-torch-compile (batched decode through an Inductor graph).
+ENGINES = ("sglite", "sglite-compile", "vllm", "ct2", "llamacpp", "transformers")
+SERVED = ("sglite", "sglite-compile", "vllm", "llamacpp")  # engines with an OpenAI-compatible server
 LLAMA200M = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
                  intermediate_size=2816, vocab_size=32000, max_position_embeddings=2048, initializer_range=0.02)
 
@@ -118,13 +119,13 @@ def worker_offline(engine: str, model_dir: str, gguf: Optional[str], prompts: li
 
 def _make_generator(engine: str, model_dir: str, gguf: Optional[str], threads: int, ct2_dir: Optional[str]):
     """(generate(batch, n) -> new ids per prompt, first_token(batch)) for one engine, EOS ignored, greedy."""
-    if engine == "sglite":
+    if engine in ("sglite", "sglite-compile"):
         import sglite
 
         # No prefix cache, as vLLM runs here: the timed 1-token batch would otherwise leave the prompts cached for
         # the full batch, whose time (minus the 1-token batch's) then understates decoding by a whole prefill.
         eng = sglite.Engine(model_path=model_dir, cpu_threads=threads, dtype="float32", log_level="warning",
-                            disable_radix_cache=True)
+                            disable_radix_cache=True, enable_torch_compile=engine == "sglite-compile")
 
         def gen(batch, n):
             sp = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
@@ -279,10 +280,11 @@ def run_offline_round(engine: str, job: dict[str, Any], workdir: str, timeout_s:
 
 def server_cmd(engine: str, model_dir: str, gguf: Optional[str], port: int, threads: int) -> list[str]:
     """The OpenAI-compatible server of an engine."""
-    if engine == "sglite":
+    if engine in ("sglite", "sglite-compile"):
         return [sys.executable, "-m", "sglite.launch_server", "--model-path", model_dir, "--port", str(port),
                 "--dtype", "float32", "--cpu-threads", str(threads), "--log-level", "warning",
-                "--served-model-name", "default", "--disable-radix-cache"]  # as vLLM's --no-enable-prefix-caching
+                "--served-model-name", "default", "--disable-radix-cache"]  + (  # as vLLM's --no-enable-prefix-caching
+                    ["--enable-torch-compile"] if engine == "sglite-compile" else [])
     if engine == "vllm":
         return [engine_python(engine), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--port", str(port), "--dtype", "float32", "--no-enable-prefix-caching", "--served-model-name", "default"]
@@ -342,6 +344,12 @@ def run_online_round(engine: str, model_dir: str, gguf: Optional[str], prompts: 
         log.close()
 
 
+def ratio_pairs(engines: list[str]) -> list[tuple[str, str]]:
+    """(sglite variant, other engine) pairs whose speed ratio is printed; the eager sglite also against compiled."""
+    ours = [e for e in engines if e.startswith("sglite")]
+    return [(o, e) for o in ours for e in engines if e != o and not (e.startswith("sglite") and o != "sglite-compile")]
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -357,7 +365,7 @@ def summarize_offline(results: dict[str, list[dict[str, Any]]], batch_sizes: lis
             row[f"{engine}_decode_tok_s"] = _median([c["decode_tok_s"] for c in cells])
             row[f"{engine}_prefill_s"] = _median([c["prefill_s"] for c in cells])
             if cells:
-                if engine == "sglite":
+                if ref_out is None and engine.startswith("sglite"):  # the first sglite variant is the reference
                     ref_out = cells[0]["outputs"]
                 elif ref_out is not None:
                     row[f"{engine}_same_tokens"] = sum(a == b for a, b in zip(ref_out, cells[0]["outputs"]))
@@ -429,11 +437,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{'bs':>4} " + " ".join(f"{e:>14}" for e in engines))
         for row in table:
             print(f"{row['batch_size']:>4} " + " ".join(f"{row[f'{e}_decode_tok_s']:>14.1f}" for e in engines))
-            for e in engines[1:]:
-                if row["sglite_decode_tok_s"] == row["sglite_decode_tok_s"]:
-                    same = row.get(f"{e}_same_tokens")
-                    print(f"     sglite/{e}: decode {row['sglite_decode_tok_s'] / row[f'{e}_decode_tok_s']:.2f}x  "
-                          f"prefill {row[f'{e}_prefill_s'] / row['sglite_prefill_s']:.2f}x  same {same}/{row['batch_size']}")
+            for ours, e in ratio_pairs(engines):
+                same = row.get(f"{e}_same_tokens")
+                print(f"     {ours}/{e}: decode {row[f'{ours}_decode_tok_s'] / row[f'{e}_decode_tok_s']:.2f}x  "
+                      f"prefill {row[f'{e}_prefill_s'] / row[f'{ours}_prefill_s']:.2f}x  same {same}/{row['batch_size']}")
     if "online" in args.mode:
         served = [e for e in engines if e in SERVED]
         online: dict[str, list] = {e: [] for e in served}
@@ -459,8 +466,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"conc {row['concurrency']:>3} {e:<12} {row[f'{e}_output_throughput']:>8.1f} | "
                       f"{row[f'{e}_median_ttft_ms']:>8.1f} {row[f'{e}_p99_ttft_ms']:>8.1f} | "
                       f"{row[f'{e}_median_itl_ms']:>7.1f} {row[f'{e}_p99_itl_ms']:>7.1f}")
-            for e in served[1:]:
-                print(f"         sglite/{e} output tok/s {row['sglite_output_throughput'] / row[f'{e}_output_throughput']:.2f}x")
+            for ours, e in ratio_pairs(served):
+                print(f"         {ours}/{e} output tok/s "
+                      f"{row[f'{ours}_output_throughput'] / row[f'{e}_output_throughput']:.2f}x")
     report["load_end"] = os.getloadavg()
     print(f"load avg at end {report['load_end'][0]:.2f}")
     if args.result_file:
