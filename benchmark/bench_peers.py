@@ -438,7 +438,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for row in table:
             print(f"{row['batch_size']:>4} " + " ".join(f"{row[f'{e}_decode_tok_s']:>14.1f}" for e in engines))
             for ours, e in ratio_pairs(engines):
-                same = row.get(f"{e}_same_tokens")
+                same = row.get(f"{e}_same_tokens", row.get(f"{ours}_same_tokens"))  # e may be the reference
                 print(f"     {ours}/{e}: decode {row[f'{ours}_decode_tok_s'] / row[f'{e}_decode_tok_s']:.2f}x  "
                       f"prefill {row[f'{e}_prefill_s'] / row[f'{ours}_prefill_s']:.2f}x  same {same}/{row['batch_size']}")
     if "online" in args.mode:
