@@ -48,6 +48,16 @@ class CompiledDecodeError(ValueError):
     """``--enable-torch-compile`` cannot run this configuration."""
 
 
+def cpp_compiler() -> Optional[str]:
+    """The C++ compiler Inductor's CPU backend will call (``$CXX``, else ``g++``), or None when there is none."""
+    from torch._inductor.cpp_builder import get_cpp_compiler  # Inductor's own search, so both agree
+
+    try:
+        return get_cpp_compiler()
+    except Exception:  # Inductor raises its InvalidCxxCompiler (or a subprocess error) when none runs
+        return None
+
+
 def check_compiled_decode_supported(model_runner: "ModelRunner") -> None:
     """Raise CompiledDecodeError naming the flag when the runner's configuration cannot be compiled.
 
@@ -67,6 +77,8 @@ def check_compiled_decode_supported(model_runner: "ModelRunner") -> None:
         problems.append(f"KV cache dtype {model_runner.kv_cache_dtype} (the model dtype {model_runner.dtype} only)")
     if problems:
         raise CompiledDecodeError(f"{FLAG} does not support " + "; ".join(problems))
+    if cpp_compiler() is None:
+        raise CompiledDecodeError(f"{FLAG} needs a C++ compiler for Inductor's CPU code: install g++ or set CXX")
 
 
 def decode_slots(forward_batch: ForwardBatch) -> DecodeSlots:

@@ -9,6 +9,7 @@ from sglite.srt.model_executor.compiled_decode_runner import (
     MIN_GRAPH_BS,
     CompiledDecodeError,
     check_compiled_decode_supported,
+    cpp_compiler,
 )
 from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.model_executor.model_runner import ModelRunner
@@ -20,6 +21,9 @@ EST_TIME = 60  # two Inductor compiles of a 4-layer model
 
 PROMPTS = [[5, 17, 300, 41, 7], [100, 200, 300], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
 LOGITS_ATOL = 1e-4  # fused fp32 arithmetic in another order: not bit-identical to eager
+
+
+needs_cxx = pytest.mark.skipif(cpp_compiler() is None, reason="Inductor's CPU backend needs g++ (or $CXX)")
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +68,7 @@ def _decode_both_ways(runner, steps: int, capture=None):
     return rows
 
 
+@needs_cxx
 def test_compiled_decode_equals_eager_and_runs_only_what_it_serves(pair_dirs, rank0):
     runner = ModelRunner(_args(pair_dirs[0]))
     assert runner.compiled_decode is not None
@@ -78,6 +83,7 @@ def test_compiled_decode_equals_eager_and_runs_only_what_it_serves(pair_dirs, ra
     assert not runner.compiled_decode.can_run(ext)
 
 
+@needs_cxx
 def test_dflash_target_compiles_its_capturing_decode(pair_dirs, rank0):
     target, draft = pair_dirs
     runner = ModelRunner(_args(target, speculative_algorithm="DFLASH", speculative_draft_model_path=draft))
