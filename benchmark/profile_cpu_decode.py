@@ -1,12 +1,14 @@
 """CPU time per decode step (and a torch.profiler op table) through the ModelRunner, and the GEMM layouts.
 
     python benchmark/profile_cpu_decode.py step --model-path DIR --batch-size 1 8 32 [--profile] [--no-pack]
+    python benchmark/profile_cpu_decode.py compiled --model-path DIR --batch-size 8 32
     python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024
     python benchmark/profile_cpu_decode.py spec-disable --num-prompts 32 --output-len 48
 
 ``step``: 32-token random prompts, one prefill, 12 decode steps; prints the median ``time.process_time``
 per step (steady on a shared box, unlike wall time). ``--no-pack`` skips cpu_gemm's packed copies (the
-before/after A/B). ``gemm``: the model's five weight shapes, one call each, best of 5 interleaved rounds:
+before/after A/B). ``compiled``: the --enable-torch-compile graph against the eager forward on the same
+batches, alternated per step, with the largest logit difference and greedy flips. ``gemm``: the model's five weight shapes, one call each, best of 5 interleaved rounds:
 ``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed
 (``mkldnn::_linear_pointwise``). ``spec-disable``: an in-process Scheduler on the toy pair (or
 ``--model-path`` / ``--draft-model-path``, e.g. the SmolLM2 GGUF and ``python/sglite/assets/smollm2_draft``),
@@ -108,6 +110,53 @@ def step(args: argparse.Namespace) -> None:
         runner.req_to_token_pool.free(rows)
 
 
+def compiled(args: argparse.Namespace) -> None:
+    """CPU ms per decode step, the compiled graph (--enable-torch-compile) vs the eager forward, same batches.
+
+    One runner; each step runs both ways on the same slots (the eager forward rewrites the same K/V), in
+    alternating order, and the logits are compared. Greedy continues from the eager logits.
+    """
+    from sglite.bench_offline import random_prompt_ids
+    from sglite.srt.configs.model_config import ModelConfig
+    from sglite.srt.model_executor.forward_batch_info import ForwardMode
+    from sglite.srt.model_executor.model_runner import ModelRunner
+    from sglite.srt.server_args import ServerArgs
+
+    t0 = time.perf_counter()
+    sa = ServerArgs(model_path=args.model_path, device="cpu", dtype="float32", enable_torch_compile=True).validate()
+    runner = ModelRunner(sa)
+    print(f"start-up with compile: {time.perf_counter() - t0:.1f} s wall")
+    vocab = ModelConfig.from_path(args.model_path).vocab_size
+
+    def eager(fb):
+        fb.attn_backend.init_forward_metadata(fb)
+        return runner.model.forward(fb.input_ids, fb.positions, fb).next_token_logits
+
+    with torch.inference_mode():
+        for bs in args.batch_size:
+            rows = runner.req_to_token_pool.alloc(bs)
+            prompts = random_prompt_ids(bs, 32, vocab, 0)
+            out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)]))
+            nxt, seq = torch.argmax(out.next_token_logits, -1).tolist(), 32
+            cpu = {"compiled": [], "eager": []}
+            diff, flips = 0.0, 0
+            for i in range(args.steps):
+                fb = runner.build_forward_batch(ForwardMode.DECODE, [(r, seq, [t]) for r, t in zip(rows, nxt)])
+                got = {}
+                for kind in (("compiled", "eager") if i % 2 == 0 else ("eager", "compiled")):
+                    t = time.process_time()
+                    got[kind] = runner.compiled_decode.run(fb).next_token_logits if kind == "compiled" else eager(fb)
+                    cpu[kind].append(time.process_time() - t)
+                diff = max(diff, (got["compiled"] - got["eager"]).abs().max().item())
+                flips += int((got["compiled"].argmax(-1) != got["eager"].argmax(-1)).sum())
+                nxt, seq = got["eager"].argmax(-1).tolist(), seq + 1
+            med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in cpu.items()}
+            print(f"bs {bs}: eager {med['eager']:.1f} ms, compiled {med['compiled']:.1f} ms CPU per step "
+                  f"({med['compiled'] / med['eager'] - 1:+.0%}); max |logit diff| {diff:.1e}, "
+                  f"argmax flips {flips} of {bs * args.steps}")
+            runner.req_to_token_pool.free(rows)
+
+
 def gemm(args: argparse.Namespace) -> None:
     """Sum over the model's weight shapes of one GEMM each, per layout, per row count."""
     weights = {}
@@ -185,6 +234,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
     s.add_argument("--profile", action="store_true")
     s.add_argument("--no-pack", action="store_true")
+    c = sub.add_parser("compiled")
+    c.add_argument("--model-path", required=True)
+    c.add_argument("--batch-size", type=int, nargs="+", default=[8, 32], help="each >= 2 (batch 1 runs eagerly)")
+    c.add_argument("--steps", type=int, default=12)
     g = sub.add_parser("gemm")
     g.add_argument("--shapes", choices=sorted(SHAPES), default="200m")
     g.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256, 1024])
@@ -196,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     d.add_argument("--kinds", nargs="+", default=["plain", "disabled", "dflash"],
                    choices=("plain", "disabled", "dflash", "adaptive"))
     args = p.parse_args(argv)
-    {"step": step, "gemm": gemm, "spec-disable": spec_disable}[args.cmd](args)
+    {"step": step, "compiled": compiled, "gemm": gemm, "spec-disable": spec_disable}[args.cmd](args)
     return 0
 
 
