@@ -87,9 +87,8 @@ class CompiledDecodeAttention:
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """Write the new tokens' K/V at their slots and attend; q/k/v as RadixAttention takes them."""
-        pool = self.token_to_kv_pool
-        i = pool._index(layer.layer_id)
-        k_cache, v_cache = pool.k_buffer[i], pool.v_buffer[i]
+        # The pool's own buffers: stored in the model dtype (checked at start-up), so no view or copy.
+        k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         slots = forward_batch.slots
         bs = q.shape[0]
         if save_kv_cache:
