@@ -35,31 +35,30 @@ def mkl_packing_available() -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]) -> torch.Tensor:
     """``x W^T + b``: through the packed copy for decode-sized batches when the layer has one, else ``F.linear``."""
-    if packed is not None:
-        if torch.compiler.is_compiling():
-            # One opaque op: Inductor cannot lower ``_mkl_linear`` on a packed weight it did not make
-            # itself, and the row-count choice stays at run time (no shape guard, one graph for all M).
-            return torch.ops.sglite.packed_linear(x, packed, weight, bias)
-        rows = x.numel() // x.shape[-1]
-        if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
-            return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
-    return F.linear(x, weight, bias)
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        # One opaque op: Inductor cannot lower ``_mkl_linear`` on a packed weight it did not make
+        # itself, and the row-count choice stays at run time (no shape guard, one graph for all M).
+        return torch.ops.sglite.packed_linear(x, packed, weight, bias)
+    return _linear_with_pack(x, packed, weight, bias)
 
 
-# ``sglite::packed_linear``: ``linear`` above as a registered op, for compiled forwards
-# (model_executor/compiled_decode_runner.py). A plain Library registration: torch.library.custom_op's
-# Python wrapper costs ~50 us a call, ~120 calls a step.
-_LIB = torch.library.Library("sglite", "DEF")
-_LIB.define("packed_linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias) -> Tensor")
-
-
-def _packed_linear_cpu(
+def _linear_with_pack(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
+    """The packed copy for ``PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS``, ``F.linear`` on the weight otherwise."""
     rows = x.numel() // x.shape[-1]
     if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
     return F.linear(x, weight, bias)
+
+
+# ``sglite::packed_linear``: ``_linear_with_pack`` as a registered op, for compiled forwards
+# (model_executor/compiled_decode_runner.py). A plain Library registration: torch.library.custom_op's
+# Python wrapper costs ~50 us a call, ~120 calls a step.
+_LIB = torch.library.Library("sglite", "DEF")
+_LIB.define("packed_linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias) -> Tensor")
 
 
 def _packed_linear_fake(
@@ -68,7 +67,7 @@ def _packed_linear_fake(
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-_LIB.impl("packed_linear", _packed_linear_cpu, "CompositeExplicitAutograd")  # the pack is an MkldnnCPU tensor
+_LIB.impl("packed_linear", _linear_with_pack, "CompositeExplicitAutograd")  # the pack is an MkldnnCPU tensor
 torch.library.register_fake("sglite::packed_linear", _packed_linear_fake, lib=_LIB)
 
 
