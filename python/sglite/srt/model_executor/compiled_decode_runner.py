@@ -6,13 +6,14 @@ Inductor fuses the norms, rotary, SiLU*mul and residual adds into a few C++ loop
 paged attention of ``layers/attention/compiled_decode.py`` reads K/V through the slot table
 (docs/benchmarks.md, "Compiled CPU decode"). vLLM's CPU build compiles its forward the same way.
 
-What runs compiled: DECODE forwards of the target (not a draft) with ``2 <= batch <= --torch-compile-max-bs``
-requests (batch 1: see MIN_GRAPH_BS); the model body only (embedding, layers, final norm; the LM head and logits stay eager). Other
-forwards (prefill, mixed, DFLASH verify and draft block, larger batches) run eagerly, as SGLang does
-above its captured batch sizes. One graph serves every batch size it runs; it is compiled at start-up (``warm_up``), so no request waits on a compile. Inductor caches its code on disk,
-so a later start with the same model recompiles faster. The numbers are not
-bit-identical to eager (fused fp32 arithmetic in another order): tests bound the logits difference and
-check greedy output on models with clear margins.
+What runs compiled: DECODE forwards of the target (not a draft) with
+``2 <= batch <= --torch-compile-max-bs`` requests (batch 1: see MIN_GRAPH_BS); the model body only
+(embedding, layers, final norm; the LM head and logits stay eager). Other forwards (prefill, mixed,
+DFLASH verify and draft block, larger batches) run eagerly, as SGLang does above its captured batch
+sizes. One graph serves every batch size it runs; it is compiled at start-up (``warm_up``), so no
+request waits on a compile. Inductor caches its code on disk, so a later start with the same model
+recompiles faster. The numbers are not bit-identical to eager (fused fp32 arithmetic in another order):
+tests bound the logits difference and check greedy output on models with clear margins.
 
 Supported: CPU, TP 1 without DP attention, Llama-family models (Llama, Qwen2, Qwen3), a KV pool stored
 in the model dtype. Anything else is a start-up error naming the flag.
@@ -120,7 +121,7 @@ class CompiledDecodeRunner:
             and MIN_GRAPH_BS <= forward_batch.batch_size <= self.max_bs
             and forward_batch.input_embeds is None
             and forward_batch.token_to_kv_pool is self.attention.token_to_kv_pool
-            and (list(forward_batch.capture_aux_hidden_layers or ()) or None) == self.capture
+            and forward_batch.aux_layers() == self.capture
         )
 
     @torch.inference_mode()  # as the workers run; Dynamo guards on the mode, so every call matches the graph

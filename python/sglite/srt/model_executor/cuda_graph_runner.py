@@ -474,7 +474,7 @@ class CudaGraphRunner:
             return False
         if fb.input_embeds is not None:
             return False  # graphs capture the token-id path (the embedding lookup is inside the graph)
-        if (list(fb.capture_aux_hidden_layers) if fb.capture_aux_hidden_layers else None) != self.capture_aux_hidden_layers:
+        if fb.aux_layers() != self.capture_aux_hidden_layers:
             return False
         if fb.input_ids.numel() != fb.batch_size * self.tokens_per_req:
             return False

@@ -76,6 +76,10 @@ class ForwardBatch:
     # EXTEND only: also return the logits of every new token (prompt logprobs, ``logprob_start_len``).
     return_extend_logits: bool = False
 
+    def aux_layers(self) -> Optional[list[int]]:
+        """The layers whose hidden states this forward captures, as a list; None when none (``[]`` included)."""
+        return list(self.capture_aux_hidden_layers) if self.capture_aux_hidden_layers else None
+
     @property
     def num_tokens(self) -> int:
         """T, the number of new tokens in this forward."""
