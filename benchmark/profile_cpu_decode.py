@@ -8,7 +8,8 @@
 ``step``: 32-token random prompts, one prefill, 12 decode steps; prints the median ``time.process_time``
 per step (steady on a shared box, unlike wall time). ``--no-pack`` skips cpu_gemm's packed copies (the
 before/after A/B). ``compiled``: the --enable-torch-compile graph against the eager forward on the same
-batches, alternated per step, with the largest logit difference and greedy flips. ``gemm``: the model's five weight shapes, one call each, best of 5 interleaved rounds:
+batches, alternated per step, with the largest logit difference and greedy flips. ``gemm``: the model's
+five weight shapes, one call each, best of 5 interleaved rounds:
 ``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed
 (``mkldnn::_linear_pointwise``). ``spec-disable``: an in-process Scheduler on the toy pair (or
 ``--model-path`` / ``--draft-model-path``, e.g. the SmolLM2 GGUF and ``python/sglite/assets/smollm2_draft``),
