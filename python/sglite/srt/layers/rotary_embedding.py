@@ -63,7 +63,9 @@ class RotaryEmbedding(nn.Module):
         rot = x if rd == self.head_size else x[..., :rd]
         # swap_halves copies (a tensor of ours, scaled in place below): one roll on a contiguous tensor
         # (decode at batch 1), else a flip of the [.., 2, half] view (roll would first copy to contiguous).
-        if rot.is_contiguous():
+        # Traced, always the flip (asked first: contiguity and roll's decomposition both branch on sizes
+        # the compiled decode step's unbacked batch cannot answer; Inductor fuses either form into its loops).
+        if not torch.compiler.is_compiling() and rot.is_contiguous():
             swapped = rot.roll(half, -1)
         else:
             swapped = rot.reshape(t, heads, 2, half).flip(2).view(t, heads, rd)

@@ -7,7 +7,7 @@ paged attention of ``layers/attention/compiled_decode.py`` reads K/V through the
 (docs/benchmarks.md, "Compiled CPU decode"). vLLM's CPU build compiles its forward the same way.
 
 What runs compiled: DECODE forwards of the target (not a draft) with
-``2 <= batch <= --torch-compile-max-bs`` requests (batch 1: see MIN_GRAPH_BS); the model body only
+``1 <= batch <= --torch-compile-max-bs`` requests (one graph for all: see ``run``); the model body only
 (embedding, layers, final norm; the LM head and logits stay eager). Other forwards (prefill, mixed,
 DFLASH verify and draft block, larger batches) run eagerly, as SGLang does above its captured batch
 sizes. One graph serves every batch size it runs; it is compiled at start-up (``warm_up``), so no
@@ -39,10 +39,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FLAG = "--enable-torch-compile"
-# Dynamo specialises a dim of size 1, so batch 1 would need a graph of its own: a second whole-model
-# compile (~80 s on 2 cores). It runs eagerly instead: padded to 2 in the shared graph it measured no
-# faster than eager (SmolLM2 66.6 vs 66.1 ms: the pad row turns each GEMV into a 2-row GEMM).
-MIN_GRAPH_BS = 2
+# The warm-up batch: 2 requests of 3 keys each. The key-length dim is a backed symbol, which Dynamo would
+# specialise at 1 and merge with any equal backed dim (duck sizing); either would recompile on real traffic.
+WARM_UP_BS, WARM_UP_KEYS = 2, 3
 
 
 class CompiledDecodeError(ValueError):
@@ -118,7 +117,7 @@ class CompiledDecodeRunner:
         """Whether this forward is one the compiled graph serves."""
         return (
             forward_batch.forward_mode == ForwardMode.DECODE
-            and MIN_GRAPH_BS <= forward_batch.batch_size <= self.max_bs
+            and 1 <= forward_batch.batch_size <= self.max_bs
             and forward_batch.input_embeds is None
             and forward_batch.token_to_kv_pool is self.attention.token_to_kv_pool
             and forward_batch.aux_layers() == self.capture
@@ -131,8 +130,11 @@ class CompiledDecodeRunner:
         # tensor, which depends on where the caller built its batch (a worker, a test, the warm-up).
         input_ids, positions = forward_batch.input_ids.clone(), forward_batch.positions.clone()
         slots = decode_slots(forward_batch)
+        # The batch dim is unbacked: a backed one is specialised at 1 (Dynamo's 0/1 rule, through
+        # broadcasting checks), which would cost batch 1 a second whole-model compile (~80 s on 2 cores);
+        # unbacked, one graph serves batch 1 too, its GEMVs on the plain weight (cpu_gemm's row rule).
         for t in (input_ids, positions, slots.seq_lens, slots.out_cache_loc, slots.kv_indices):
-            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.decorators.mark_unbacked(t, 0)
         torch._dynamo.mark_dynamic(slots.kv_indices, 1)
         hidden, aux = self._compiled(input_ids, positions, slots)
         return self.model.logits_processor(hidden, self.model.lm_head, forward_batch, aux)
@@ -147,14 +149,12 @@ class CompiledDecodeRunner:
     def warm_up(self) -> None:
         """Compile the graph on a dummy decode batch: req row 0 and KV slot 0, the reserved padding."""
         runner = self.model_runner
-        logger.info("Compile decode forward (torch.compile) begin: batch sizes %d to %d", MIN_GRAPH_BS, self.max_bs)
+        logger.info("Compile decode forward (torch.compile) begin: batch sizes 1 to %d", self.max_bs)
         start = time.perf_counter()
-        # MIN_GRAPH_BS + 1 keys per request: a key dim of 1 would be specialised, and one equal to the batch size
-        # would share its symbol (Dynamo's duck sizing); either would recompile on real traffic.
         batch = runner.build_forward_batch(
             ForwardMode.DECODE,
-            [(0, MIN_GRAPH_BS, [0])] * MIN_GRAPH_BS,
-            out_cache_loc=torch.zeros(MIN_GRAPH_BS, dtype=torch.int64, device=runner.device),
+            [(0, WARM_UP_KEYS - 1, [0])] * WARM_UP_BS,
+            out_cache_loc=torch.zeros(WARM_UP_BS, dtype=torch.int64, device=runner.device),
             capture_aux_hidden_layers=self.capture,
         )
         self.run(batch)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from sglite.srt.model_executor.compiled_decode_runner import (
-    MIN_GRAPH_BS,
     CompiledDecodeError,
     check_compiled_decode_supported,
     cpp_compiler,
@@ -57,15 +56,21 @@ def _decode_both_ways(runner, steps: int, capture=None):
             fb = runner.build_forward_batch(
                 ForwardMode.DECODE, [(r, n, [t]) for r, n, t in zip(rows, lens, nxt)], capture_aux_hidden_layers=capture
             )
-        assert runner.compiled_decode.can_run(fb)
-        got = runner.forward(fb)  # compiled (K/V written by the graph)
-        ref = _eager(runner, fb)  # rewrites the same slots with the same K/V
-        torch.testing.assert_close(got.next_token_logits, ref.next_token_logits, atol=LOGITS_ATOL, rtol=0)
-        if capture:
-            torch.testing.assert_close(got.aux_hidden_states, ref.aux_hidden_states, atol=LOGITS_ATOL, rtol=0)
-        assert got.next_token_logits.argmax(-1).tolist() == ref.next_token_logits.argmax(-1).tolist()
+        ref = _compiled_equals_eager(runner, fb, capture)
         nxt, lens = ref.next_token_logits.argmax(-1).tolist(), [n + 1 for n in lens]
     return rows
+
+
+def _compiled_equals_eager(runner, fb, capture=None):
+    """Run ``fb`` compiled, then eagerly on the same slots; assert they agree and return the eager output."""
+    assert runner.compiled_decode.can_run(fb)
+    got = runner.forward(fb)  # compiled (K/V written by the graph)
+    ref = _eager(runner, fb)  # rewrites the same slots with the same K/V
+    torch.testing.assert_close(got.next_token_logits, ref.next_token_logits, atol=LOGITS_ATOL, rtol=0)
+    if capture:
+        torch.testing.assert_close(got.aux_hidden_states, ref.aux_hidden_states, atol=LOGITS_ATOL, rtol=0)
+    assert got.next_token_logits.argmax(-1).tolist() == ref.next_token_logits.argmax(-1).tolist()
+    return ref
 
 
 @needs_cxx
@@ -74,9 +79,9 @@ def test_compiled_decode_equals_eager_and_runs_only_what_it_serves(pair_dirs, ra
     assert runner.compiled_decode is not None
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     rows = _decode_both_ways(runner, steps=6)
+    for n in (20, 21):  # batch 1 (Dynamo would specialise a backed size-1 dim): the same graph
+        _compiled_equals_eager(runner, runner.build_forward_batch(ForwardMode.DECODE, [(rows[0], n, [3])]))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the start-up graph served them all
-    one = runner.build_forward_batch(ForwardMode.DECODE, [(rows[0], 20, [3])])
-    assert MIN_GRAPH_BS == 2 and not runner.compiled_decode.can_run(one)  # batch 1: eager
     many = runner.build_forward_batch(ForwardMode.DECODE, [(r, 1, [3]) for r in runner.req_to_token_pool.alloc(5)])
     assert not runner.compiled_decode.can_run(many)  # above --torch-compile-max-bs 4: eager
     ext = runner.build_forward_batch(ForwardMode.EXTEND, [(rows[0], 21, [3, 4])])
