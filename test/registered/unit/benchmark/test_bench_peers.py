@@ -1,0 +1,51 @@
+"""bench_peers' batch-1 bandwidth report: the bytes a decode step reads, the box's bandwidth, the shares."""
+
+import glob
+import importlib.util
+import os
+import sys
+
+import pytest
+from safetensors import safe_open
+
+from sglite.testing.tiny_dflash import build_tiny_target
+
+SUITE = "unit-cpu"
+EST_TIME = 10
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(REPO, "benchmark", "bench_peers.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_peers"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_decode_step_bytes_are_the_layer_matrices_and_one_head(bench, tmp_path):
+    model_dir = build_tiny_target(str(tmp_path / "target"), seed=1)
+    matrices, vocab_rows = 0, None
+    for f in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                if name == "model.embed_tokens.weight":
+                    vocab_rows = t.numel()  # the head reads all of it (tied or not); the lookup one row
+                elif t.dim() == 2 and name != "lm_head.weight":
+                    matrices += t.numel()
+    assert vocab_rows is not None
+    assert bench.decode_step_weight_bytes(model_dir) == 4 * (matrices + vocab_rows)
+
+
+def test_batch1_share_of_the_measured_bandwidth(bench, capsys):
+    measured = bench.measure_bandwidth(threads=1, mib=4, repeats=2)
+    assert measured["read"] > 0 and measured["copy"] > 0
+    table = [{"batch_size": 1, "sglite_decode_tok_s": 10.0}, {"batch_size": 8, "sglite_decode_tok_s": 50.0}]
+    rounds = [{"read": 12.0, "copy": 10.0}, {"read": 13.0, "copy": 11.0}]
+    out = bench.print_batch1_bandwidth(table, ["sglite"], step_bytes=10**9, bandwidth=rounds)
+    assert out["sglite"] == pytest.approx(10.0) and out["read_gb_s"] == pytest.approx(12.5)
+    assert "80% of read" in capsys.readouterr().out  # 10 GB/s of a 12.5 GB/s median
+    assert bench.print_batch1_bandwidth(table[1:], ["sglite"], 10**9, rounds) == {}  # no batch-1 row
