@@ -70,6 +70,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="Every variant with --enable-torch-compile (CPU: decode and, with a draft, verify compiled)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None, help="Write results as JSON here")
     p.add_argument("--dspark-cap-thresholds", type=float, nargs="+", default=None,
@@ -88,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     prompts = _heldout_prompts(args.model_path, args.prompt_set, args.num_prompts, args.seed)
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
     common = dict(model_path=args.model_path, device=args.device, attention_backend=args.attention_backend,
-                  disable_radix_cache=True, log_level="warning")
+                  disable_radix_cache=True, log_level="warning", enable_torch_compile=args.enable_torch_compile)
     spec_args = {"speculative_algorithm": args.speculative_algorithm,
                  "speculative_draft_model_path": args.draft_model_path,
                  "speculative_num_draft_tokens": args.speculative_num_draft_tokens}
@@ -106,7 +108,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 engine.shutdown()
 
     base_name = args.variants[0]
-    print(f"{args.speculative_algorithm} on {args.model_path} + {args.draft_model_path}; device {args.device}; "
+    print(f"{args.speculative_algorithm} on {args.model_path} + {args.draft_model_path}; device {args.device}"
+          f"{' (--enable-torch-compile)' if args.enable_torch_compile else ''}; "
           f"{len(prompts)} held-out prompts, greedy, max_new_tokens {args.max_new_tokens}; "
           f"median of {args.rounds} interleaved rounds; baseline {base_name}")
     print(f"{'conc':>5} {'variant':>9} {'tok/s':>8} {'vs ' + base_name:>10} {'accept len':>11} {'identical':>10}  rounds tok/s")

@@ -6,14 +6,15 @@ Inductor fuses the norms, rotary, SiLU*mul and residual adds into a few C++ loop
 paged attention of ``layers/attention/compiled_decode.py`` reads K/V through the slot table
 (docs/benchmarks.md, "Compiled CPU decode"). vLLM's CPU build compiles its forward the same way.
 
-What runs compiled: DECODE forwards of the target (not a draft) with
-``1 <= batch <= --torch-compile-max-bs`` requests (one graph for all: see ``run``); the model body only
-(embedding, layers, final norm; the LM head and logits stay eager). Other forwards (prefill, mixed,
-DFLASH verify and draft block, larger batches) run eagerly, as SGLang does above its captured batch
-sizes. One graph serves every batch size it runs; it is compiled at start-up (``warm_up``), so no
-request waits on a compile. Inductor caches its code on disk, so a later start with the same model
-recompiles faster. The numbers are not bit-identical to eager (fused fp32 arithmetic in another order):
-tests bound the logits difference and check greedy output on models with clear margins.
+What runs compiled: DECODE forwards of the target (not a draft) with ``1 <= batch <=
+--torch-compile-max-bs`` requests (one graph for all: see ``run``), and, for a DFLASH-family target, its
+TARGET_VERIFY blocks (W tokens a request, causal among them: a second graph of the same function, for every
+W >= 2); the model body only (embedding, layers, final norm; the LM head and logits stay eager). Other
+forwards (prefill, mixed, the draft's block, larger batches) run eagerly, as SGLang does above its captured
+batch sizes. The graphs are compiled at start-up (``warm_up``), so no request waits on a compile. Inductor
+caches its code on disk, so a later start with the same model recompiles faster. The numbers are not
+bit-identical to eager (fused fp32 arithmetic in another order): tests bound the logits difference and
+check greedy output on models with clear margins.
 
 Supported: CPU, TP 1 without DP attention, Llama-family models (Llama, Qwen2, Qwen3), a KV pool stored
 in the model dtype. Anything else is a start-up error naming the flag.
@@ -42,6 +43,8 @@ FLAG = "--enable-torch-compile"
 # The warm-up batch: 2 requests of 3 keys each. The key-length dim is a backed symbol, which Dynamo would
 # specialise at 1 and merge with any equal backed dim (duck sizing); either would recompile on real traffic.
 WARM_UP_BS, WARM_UP_KEYS = 2, 3
+# The verify graph's warm-up width: a symbol of its own (2, not the key count), so any block width from 2 up runs.
+WARM_UP_VERIFY_WIDTH = 2
 
 
 class CompiledDecodeError(ValueError):
@@ -82,19 +85,22 @@ def check_compiled_decode_supported(model_runner: "ModelRunner") -> None:
 
 
 def decode_slots(forward_batch: ForwardBatch) -> DecodeSlots:
-    """The slot table of a decode batch: each request's row of req_to_token, cut at the longest sequence."""
+    """The slot table of a decode batch or verify block: each request's row of req_to_token, cut at the longest
+    sequence, and the block width (the same for every request: build_forward_batch checks it)."""
     max_len = max(forward_batch.seq_lens_cpu)
     table = forward_batch.req_to_token_pool.req_to_token
     rows = forward_batch.req_pool_indices.to(table.device).long()
+    width = forward_batch.input_ids.shape[0] // forward_batch.batch_size
     return DecodeSlots(  # copies (``to(copy=True)``), never the batch's own tensors: see CompiledDecodeRunner.run
         kv_indices=table[rows, :max_len].long(),
         seq_lens=forward_batch.seq_lens.to(torch.int64, copy=True),
         out_cache_loc=forward_batch.out_cache_loc.to(torch.int64, copy=True),
+        query_offsets=torch.arange(width, dtype=torch.int64, device=table.device),
     )
 
 
 class CompiledDecodeRunner:
-    """Runs a ModelRunner's eligible decode forwards through ``torch.compile`` of its model body."""
+    """Runs a ModelRunner's eligible decode and verify forwards through ``torch.compile`` of its model body."""
 
     def __init__(self, model_runner: "ModelRunner") -> None:
         check_compiled_decode_supported(model_runner)
@@ -103,6 +109,9 @@ class CompiledDecodeRunner:
         self.max_bs = model_runner.server_args.torch_compile_max_bs
         self.attention = CompiledDecodeAttention(model_runner.token_to_kv_pool)
         self.capture = self._decode_capture_layers()
+        # A DFLASH-family target also runs its verify blocks (W > 1 tokens a request) through a second graph of
+        # the same function: the draft-free and verify forwards capture the same layers.
+        self.verifies = self.capture is not None
         # Only the batch and key-length dims are symbolic (``run`` marks them); everything else, the capture
         # list's layer ids included, is a constant of the graph (dynamic=True would trace those ints too).
         self._compiled = torch.compile(self._model_body, fullgraph=True)
@@ -110,13 +119,16 @@ class CompiledDecodeRunner:
     def _model_body(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: DecodeSlots
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # ``[B, W]`` in, flattened here: the token count is then B * W in the graph's shapes, which the
+        # attention's per-request view needs (an unbacked token count of its own could not be split).
         batch = TracedDecodeBatch(attn_backend=self.attention, slots=slots, capture_aux_hidden_layers=self.capture)
-        return self.model.model(input_ids, positions, batch)
+        return self.model.model(input_ids.reshape(-1), positions.reshape(-1), batch)
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        """Whether this forward is one the compiled graph serves."""
+        """Whether this forward is one the compiled graphs serve: a decode step, or a DFLASH-family verify block."""
+        mode = forward_batch.forward_mode
         return (
-            forward_batch.forward_mode == ForwardMode.DECODE
+            (mode == ForwardMode.DECODE or (mode == ForwardMode.TARGET_VERIFY and self.verifies))
             and 1 <= forward_batch.batch_size <= self.max_bs
             and forward_batch.input_embeds is None
             and forward_batch.token_to_kv_pool is self.attention.token_to_kv_pool
@@ -128,14 +140,19 @@ class CompiledDecodeRunner:
         """The forward's logits, the model body compiled and the LM head eager."""
         # Fresh copies made here, under inference mode: Dynamo guards on whether each input is an inference
         # tensor, which depends on where the caller built its batch (a worker, a test, the warm-up).
-        input_ids, positions = forward_batch.input_ids.clone(), forward_batch.positions.clone()
         slots = decode_slots(forward_batch)
+        width = slots.query_offsets.shape[0]
+        input_ids = forward_batch.input_ids.reshape(-1, width).clone()
+        positions = forward_batch.positions.reshape(-1, width).clone()
         # The batch dim is unbacked: a backed one is specialised at 1 (Dynamo's 0/1 rule, through
         # broadcasting checks), which would cost batch 1 a second whole-model compile (~80 s on 2 cores);
         # unbacked, one graph serves batch 1 too, its GEMVs on the plain weight (cpu_gemm's row rule).
         for t in (input_ids, positions, slots.seq_lens, slots.out_cache_loc, slots.kv_indices):
             torch._dynamo.decorators.mark_unbacked(t, 0)
         torch._dynamo.mark_dynamic(slots.kv_indices, 1)
+        if width > 1:  # a verify block: its width is a symbol too (a decode step's 1 is a constant of its graph)
+            for t in (input_ids, positions, slots.query_offsets):
+                torch._dynamo.mark_dynamic(t, t.dim() - 1)
         hidden, aux = self._compiled(input_ids, positions, slots)
         return self.model.logits_processor(hidden, self.model.lm_head, forward_batch, aux)
 
@@ -147,17 +164,22 @@ class CompiledDecodeRunner:
         return None
 
     def warm_up(self) -> None:
-        """Compile the graph on a dummy decode batch: req row 0 and KV slot 0, the reserved padding."""
+        """Compile the graphs on dummy batches: req row 0 and KV slot 0, the reserved padding."""
         runner = self.model_runner
-        logger.info("Compile decode forward (torch.compile) begin: batch sizes 1 to %d", self.max_bs)
-        start = time.perf_counter()
-        batch = runner.build_forward_batch(
-            ForwardMode.DECODE,
-            [(0, WARM_UP_KEYS - 1, [0])] * WARM_UP_BS,
-            out_cache_loc=torch.zeros(WARM_UP_BS, dtype=torch.int64, device=runner.device),
-            capture_aux_hidden_layers=self.capture,
+        modes = [(ForwardMode.DECODE, 1)] + ([(ForwardMode.TARGET_VERIFY, WARM_UP_VERIFY_WIDTH)] if self.verifies else [])
+        logger.info(
+            "Compile decode forward (torch.compile) begin: batch sizes 1 to %d, %s",
+            self.max_bs, " and ".join(m.name for m, _ in modes),
         )
-        self.run(batch)
+        start = time.perf_counter()
+        for mode, width in modes:
+            batch = runner.build_forward_batch(
+                mode,
+                [(0, WARM_UP_KEYS - width, [0] * width)] * WARM_UP_BS,
+                out_cache_loc=torch.zeros(WARM_UP_BS * width, dtype=torch.int64, device=runner.device),
+                capture_aux_hidden_layers=self.capture,
+            )
+            self.run(batch)
         logger.info("Compile decode forward (torch.compile) end. elapsed=%.1f s", time.perf_counter() - start)
 
 

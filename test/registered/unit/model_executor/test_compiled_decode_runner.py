@@ -93,7 +93,18 @@ def test_dflash_target_compiles_its_capturing_decode(pair_dirs, rank0):
     target, draft = pair_dirs
     runner = ModelRunner(_args(target, speculative_algorithm="DFLASH", speculative_draft_model_path=draft))
     capture = [int(i) for i in runner.spec_aux_config.target_layer_ids]
-    _decode_both_ways(runner, steps=3, capture=capture)
+    rows = _decode_both_ways(runner, steps=3, capture=capture)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # Verify blocks of several widths (cap-accept cuts them), batch 1 among them: the start-up verify graph.
+    for width, reqs in ((4, 3), (2, 3), (3, 1)):
+        lens = [len(p) + 3 for p in PROMPTS]  # the decode steps' keys
+        fb = runner.build_forward_batch(
+            ForwardMode.TARGET_VERIFY, [(r, n, [7, 8, 9, 10][:width]) for r, n in zip(rows[:reqs], lens)],
+            capture_aux_hidden_layers=capture,
+        )
+        assert fb.forward_mode == ForwardMode.TARGET_VERIFY
+        _compiled_equals_eager(runner, fb, capture)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     drafter = ModelRunner(
         _args(target, speculative_algorithm="DFLASH", speculative_draft_model_path=draft), is_draft=True,
         target_runner=runner,

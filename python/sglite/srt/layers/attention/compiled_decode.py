@@ -1,4 +1,4 @@
-"""Decode attention in plain torch ops over the paged pool, written for an Inductor-compiled decode step.
+"""Decode (and verify-block) attention in plain torch ops over the paged pool, for an Inductor-compiled step.
 
 Eager CPU decode attention (``torch_native_backend``) gathers each layer's K and V rows into padded
 copies and runs SDPA once per (request, KV head); at batch 32 that is ~20% of a SmolLM2 step. Traced
@@ -7,8 +7,9 @@ table inside its generated loops (no gathered copy) and fuse the scaling, mask a
 (docs/benchmarks.md, "Compiled CPU decode"). Run eagerly it is slower than SDPA, so only the compiled
 decode step (``model_executor/compiled_decode_runner.py``) uses it.
 
-Invariants: one new token per request; the pool stores K/V in the model's dtype (no fp8 scaling); the
-slot table row of request ``b`` holds its ``seq_lens[b]`` keys in order, the new token's slot last.
+Invariants: W new tokens per request, the same W for all (1 for decode, the block width for a DFLASH
+verify), causal among them; the pool stores K/V in the model's dtype (no fp8 scaling); the
+slot table row of request ``b`` holds its ``seq_lens[b]`` keys in order, its new tokens' slots last.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class DecodeSlots:
-    """One decode step's slot table: what the compiled forward reads instead of a ForwardBatch."""
+    """The slot table of a decode step (W = 1) or a verify block (W new tokens per request): what the compiled
+    forward reads instead of a ForwardBatch."""
 
     kv_indices: torch.Tensor  # [B, L] int64: slot of key l of request b (entries past seq_len: any valid slot)
-    seq_lens: torch.Tensor  # [B] int64: keys per request, the new token included
-    out_cache_loc: torch.Tensor  # [B] int64: the new tokens' slots
+    seq_lens: torch.Tensor  # [B] int64: keys per request, its W new tokens included (last)
+    out_cache_loc: torch.Tensor  # [B*W] int64: the new tokens' slots, request-major
+    query_offsets: torch.Tensor  # [W] int64: 0..W-1 (its length is the block width the graph reads)
 
 
 @dataclass
@@ -40,7 +43,7 @@ class TracedDecodeBatch:
     capture_aux_hidden_layers: Optional[list[int]] = None
 
 
-def paged_decode_attention(
+def paged_causal_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -48,27 +51,31 @@ def paged_decode_attention(
     scaling: float,
     sliding_window: Optional[int],
 ) -> torch.Tensor:
-    """o ``[B, H, Dv]`` for queries ``[B, H, D]`` over each request's keys ``k_cache[kv_indices[b, :seq_lens[b]]]``.
+    """o ``[B*W, H, Dv]`` for queries ``[B*W, H, D]``: W new tokens per request, causal over its keys.
 
-    fp32 scores and softmax (as the reference backend). Query head h reads KV head ``h // (H // Hkv)``.
-    A sliding window keeps keys at positions ``>= seq_len - window`` (the HF rule, query at seq_len - 1).
+    Request b's keys are ``k_cache[kv_indices[b, :seq_lens[b]]]``, its W new tokens last; its query w sits at
+    position ``seq_lens[b] - W + w`` and sees the keys up to it (W = 1: a decode step; W > 1: a DFLASH verify
+    block). fp32 scores and softmax (as the reference backend). Query head h reads KV head ``h // (H // Hkv)``.
+    A sliding window keeps keys at positions ``> query position - window`` (the HF rule).
     """
-    bs, num_heads, head_dim = q.shape
+    width = slots.query_offsets.shape[0]
+    tokens, num_heads, head_dim = q.shape
+    bs = tokens // width
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     keys = k_cache[slots.kv_indices].float()  # [B, L, Hkv, D]: Inductor fuses this gather into its loads
     values = v_cache[slots.kv_indices].float()
-    qg = q.float().reshape(bs, 1, num_kv_heads, group, head_dim)
-    scores = (keys.unsqueeze(3) * qg).sum(-1) * scaling  # [B, L, Hkv, G]
-    key_pos = torch.arange(slots.kv_indices.shape[1], device=q.device)[None, :]
-    seq_lens = slots.seq_lens[:, None]
-    invalid = key_pos >= seq_lens
+    qg = q.float().reshape(bs, width, 1, num_kv_heads, group, head_dim)
+    scores = (keys[:, None, :, :, None, :] * qg).sum(-1) * scaling  # [B, W, L, Hkv, G]
+    key_pos = torch.arange(slots.kv_indices.shape[1], device=q.device)[None, None, :]
+    query_pos = (slots.seq_lens[:, None] - width + slots.query_offsets[None, :])[:, :, None]  # [B, W, 1]
+    invalid = key_pos > query_pos
     if sliding_window is not None:
-        invalid = invalid | (key_pos < seq_lens - sliding_window)
-    scores = scores.masked_fill(invalid[:, :, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1)
-    out = (probs.unsqueeze(-1) * values.unsqueeze(3)).sum(1)  # [B, Hkv, G, Dv]
-    return out.reshape(bs, num_heads, values.shape[-1]).to(q.dtype)
+        invalid = invalid | (key_pos <= query_pos - sliding_window)
+    scores = scores.masked_fill(invalid[:, :, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=2)
+    out = (probs.unsqueeze(-1) * values[:, None, :, :, None, :]).sum(2)  # [B, W, Hkv, G, Dv]
+    return out.reshape(tokens, num_heads, values.shape[-1]).to(q.dtype)
 
 
 class CompiledDecodeAttention:
@@ -90,12 +97,12 @@ class CompiledDecodeAttention:
         # The pool's own buffers: stored in the model dtype (checked at start-up), so no view or copy.
         k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         slots = forward_batch.slots
-        bs = q.shape[0]
+        tokens = q.shape[0]
         if save_kv_cache:
             # index_put_ on the pool buffer: Inductor writes the rows in place (no copy of the buffer).
-            k_cache.index_put_((slots.out_cache_loc,), k.reshape(bs, layer.num_kv_heads, layer.head_dim))
-            v_cache.index_put_((slots.out_cache_loc,), v.reshape(bs, layer.num_kv_heads, layer.v_head_dim))
-        o = paged_decode_attention(
-            q.reshape(bs, layer.num_heads, layer.head_dim), k_cache, v_cache, slots, layer.scaling, layer.sliding_window
+            k_cache.index_put_((slots.out_cache_loc,), k.reshape(tokens, layer.num_kv_heads, layer.head_dim))
+            v_cache.index_put_((slots.out_cache_loc,), v.reshape(tokens, layer.num_kv_heads, layer.v_head_dim))
+        o = paged_causal_attention(
+            q.reshape(tokens, layer.num_heads, layer.head_dim), k_cache, v_cache, slots, layer.scaling, layer.sliding_window
         )
-        return o.reshape(bs, layer.num_heads * layer.v_head_dim)
+        return o.reshape(tokens, layer.num_heads * layer.v_head_dim)
