@@ -91,12 +91,19 @@ def decode_slots(forward_batch: ForwardBatch) -> DecodeSlots:
     table = forward_batch.req_to_token_pool.req_to_token
     rows = forward_batch.req_pool_indices.to(table.device).long()
     width = forward_batch.input_ids.shape[0] // forward_batch.batch_size
-    return DecodeSlots(  # copies (``to(copy=True)``), never the batch's own tensors: see CompiledDecodeRunner.run
+    # Contiguous copies, never the batch's own tensors (see CompiledDecodeRunner.run): Dynamo guards on strides,
+    # and a DFLASH draft-free step's out_cache_loc is a strided column of its block slots.
+    return DecodeSlots(
         kv_indices=table[rows, :max_len].long(),
-        seq_lens=forward_batch.seq_lens.to(torch.int64, copy=True),
-        out_cache_loc=forward_batch.out_cache_loc.to(torch.int64, copy=True),
+        seq_lens=_contiguous_copy(forward_batch.seq_lens),
+        out_cache_loc=_contiguous_copy(forward_batch.out_cache_loc),
         query_offsets=torch.arange(width, dtype=torch.int64, device=table.device),
     )
+
+
+def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
+    """A fresh, contiguous int64 copy: ``clone()`` and ``to(copy=True)`` keep a strided view's strides."""
+    return t.to(torch.int64, copy=True, memory_format=torch.contiguous_format)
 
 
 class CompiledDecodeRunner:
@@ -142,8 +149,8 @@ class CompiledDecodeRunner:
         # tensor, which depends on where the caller built its batch (a worker, a test, the warm-up).
         slots = decode_slots(forward_batch)
         width = slots.query_offsets.shape[0]
-        input_ids = forward_batch.input_ids.reshape(-1, width).clone()
-        positions = forward_batch.positions.reshape(-1, width).clone()
+        input_ids = _contiguous_copy(forward_batch.input_ids).reshape(-1, width)
+        positions = _contiguous_copy(forward_batch.positions).reshape(-1, width)
         # The batch dim is unbacked: a backed one is specialised at 1 (Dynamo's 0/1 rule, through
         # broadcasting checks), which would cost batch 1 a second whole-model compile (~80 s on 2 cores);
         # unbacked, one graph serves batch 1 too, its GEMVs on the plain weight (cpu_gemm's row rule).

@@ -104,7 +104,18 @@ def test_dflash_target_compiles_its_capturing_decode(pair_dirs, rank0):
         )
         assert fb.forward_mode == ForwardMode.TARGET_VERIFY
         _compiled_equals_eager(runner, fb, capture)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    # A draft-free step decodes into the first of each request's block slots: a strided out_cache_loc, whose
+    # stride a copy keeps when it has one element (a "dense" tensor to torch's preserve_format).
+    for reqs in (1, 3):
+        block_slots = runner.token_to_kv_pool_allocator.alloc(reqs * 4).view(reqs, 4)
+        lens = [len(p) + 3 for p in PROMPTS[:reqs]]
+        fb = runner.build_forward_batch(
+            ForwardMode.DECODE, [(r, n, [7]) for r, n in zip(rows, lens)], out_cache_loc=block_slots[:, 0],
+            capture_aux_hidden_layers=capture,
+        )
+        assert fb.out_cache_loc.stride() == (4,)
+        _compiled_equals_eager(runner, fb, capture)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no compile on live traffic
     drafter = ModelRunner(
         _args(target, speculative_algorithm="DFLASH", speculative_draft_model_path=draft), is_draft=True,
         target_runner=runner,
