@@ -2,16 +2,19 @@
 
     python benchmark/profile_cpu_decode.py step --model-path DIR --batch-size 1 8 32 [--profile] [--no-pack]
     python benchmark/profile_cpu_decode.py compiled --model-path DIR --batch-size 8 32
-    python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024
+    python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024 [--copies 12]
     python benchmark/profile_cpu_decode.py spec-disable --num-prompts 32 --output-len 48
+    python benchmark/profile_cpu_decode.py spec-step [--enable-torch-compile]
 
 ``step``: 32-token random prompts, one prefill, 12 decode steps; prints the median ``time.process_time``
 per step (steady on a shared box, unlike wall time). ``--no-pack`` skips cpu_gemm's packed copies (the
 before/after A/B). ``compiled``: the --enable-torch-compile graph against the eager forward on the same
 batches, alternated per step, with the largest logit difference and greedy flips. ``gemm``: the model's
-five weight shapes, one call each, best of 5 interleaved rounds:
-``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed
-(``mkldnn::_linear_pointwise``). ``spec-disable``: an in-process Scheduler on the toy pair (or
+four layer weight shapes (``--copies`` distinct copies of each, so that a step's stream from memory is
+timed, not cached reads) and its LM head, one call each, best of 5 interleaved rounds: ``F.linear`` on the
+column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed (``mkldnn::_linear_pointwise``).
+``spec-step``: where a DFLASH step's CPU time goes at batch 1 on the default pair (random-token prompts,
+greedy): the draft block, the target's verify, acceptance, the context K/V write, and the whole step. ``spec-disable``: an in-process Scheduler on the toy pair (or
 ``--model-path`` / ``--draft-model-path``, e.g. the SmolLM2 GGUF and ``python/sglite/assets/smollm2_draft``),
 greedy, plain vs DFLASH with ``--speculative-disable-by-batch-size 1`` (never drafts) vs DFLASH vs
 ``--speculative-adaptive`` (``--kinds``), CPU seconds for the whole run, alternated twice, outputs
@@ -159,27 +162,78 @@ def compiled(args: argparse.Namespace) -> None:
 
 
 def gemm(args: argparse.Namespace) -> None:
-    """Sum over the model's weight shapes of one GEMM each, per layout, per row count."""
-    weights = {}
-    for k, n in SHAPES[args.shapes]:
-        w = torch.randn(n, k) * 0.02
-        weights[(k, n)] = dict(cm=w.t().contiguous().t(), mkl=torch.ops.mkl._mkl_reorder_linear_weight(w, 32),
-                               dnn=torch.ops.mkldnn._reorder_linear_weight(w, 32), ph=w)
+    """Per row count: the model's layer weight shapes (``--copies`` distinct copies of each) and its LM head, per layout."""
+    def layouts(w: torch.Tensor) -> dict:
+        return dict(cm=w.t().contiguous().t(), mkl=torch.ops.mkl._mkl_reorder_linear_weight(w, 32),
+                    dnn=torch.ops.mkldnn._reorder_linear_weight(w, 32), ph=w)
+
+    *layer_shapes, head_shape = SHAPES[args.shapes]
+    groups = {"layers": [(k, layouts(torch.randn(n, k) * 0.02)) for _ in range(args.copies) for k, n in layer_shapes],
+              "head": [(head_shape[0], layouts(torch.randn(head_shape[1], head_shape[0]) * 0.02))]}
     for m in args.rows:
-        xs = {k: torch.randn(m, k) for k, _ in weights}
-        best = {"column-major": [], "mkl-packed": [], "onednn-packed": []}
-        for _ in range(5):
-            for meth in best:
-                t0 = time.process_time()
-                for (k, _), d in weights.items():
-                    if meth == "column-major":
-                        F.linear(xs[k], d["cm"])
-                    elif meth == "mkl-packed":
-                        torch.ops.mkl._mkl_linear(xs[k], d["mkl"], d["ph"], None, m)
-                    else:
-                        torch.ops.mkldnn._linear_pointwise(xs[k], d["dnn"], None, "none", [], "")
-                best[meth].append(time.process_time() - t0)
-        print(f"M {m:>5}: " + "  ".join(f"{meth} {min(v) * 1e3:.2f} ms" for meth, v in best.items()))
+        xs = {k: torch.randn(m, k) for k, _ in layer_shapes + [head_shape]}
+        cells = []
+        for group, weights in groups.items():
+            best = {"column-major": [], "mkl-packed": [], "onednn-packed": []}
+            for _ in range(5):
+                for meth in best:
+                    t0 = time.process_time()
+                    for k, d in weights:
+                        if meth == "column-major":
+                            F.linear(xs[k], d["cm"])
+                        elif meth == "mkl-packed":
+                            torch.ops.mkl._mkl_linear(xs[k], d["mkl"], d["ph"], None, m)
+                        else:
+                            torch.ops.mkldnn._linear_pointwise(xs[k], d["dnn"], None, "none", [], "")
+                    best[meth].append(time.process_time() - t0)
+            cells.append(f"{group}: " + " ".join(f"{meth} {min(v) * 1e3:.1f}" for meth, v in best.items()))
+        print(f"M {m:>5} (ms)  " + "  |  ".join(cells), flush=True)
+
+
+def spec_step(args: argparse.Namespace) -> None:
+    """CPU ms per part of a DFLASH step at batch 1 on the default pair: draft block, verify, accept, context write."""
+    from sglite.srt.default_model import DEFAULT_DRAFT_DIR, default_model_path
+    from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
+    from sglite.srt.managers.scheduler import Scheduler
+    from sglite.srt.runtime_context import ParallelState, scoped
+    from sglite.srt.server_args import ServerArgs
+    from sglite.srt.speculative.dflash_worker import create_dflash_worker
+    from sglite.testing.runner_generate import scheduler_greedy_generate
+
+    sa = ServerArgs(model_path=args.model_path or default_model_path(), speculative_algorithm="DFLASH",
+                    speculative_draft_model_path=args.draft_model_path or DEFAULT_DRAFT_DIR, device="cpu",
+                    enable_torch_compile=args.enable_torch_compile).validate()
+    totals: dict[str, list[float]] = {}
+
+    def timed(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            t0 = time.process_time()
+            out = fn(*a, **kw)
+            totals.setdefault(label, []).append(time.process_time() - t0)
+            return out
+
+        setattr(obj, name, wrapper)
+
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            worker = create_dflash_worker(sa)
+            sched = Scheduler(sa, worker)
+            scheduler_greedy_generate(sched, [list(range(300, 340))], 8)  # warm-up
+            timed(worker, "_decode_with_draft", "whole drafted step")
+            timed(worker.draft_runner, "forward", "draft block forward (layers + head)")
+            timed(worker.draft_model, "propose_drafts", "propose drafts")
+            timed(worker.target_runner, "forward", "target verify forward")
+            timed(worker, "_verify", "accept")
+            timed(worker, "_write_context", "context K/V write")
+            for i in range(args.num_prompts):  # one request at a time: batch 1
+                scheduler_greedy_generate(sched, [list(range(200 + 7 * i, 240 + 7 * i))], args.output_len)
+        finally:
+            destroy_parallel_runtime()
+    print(f"DFLASH step at batch 1, {'compiled' if args.enable_torch_compile else 'eager'}: median CPU ms per call")
+    for label, ts in totals.items():
+        print(f"  {label:<38} {sorted(ts)[len(ts) // 2] * 1e3:7.1f}  ({len(ts)} calls)")
 
 
 def spec_disable(args: argparse.Namespace) -> None:
@@ -237,11 +291,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--no-pack", action="store_true")
     c = sub.add_parser("compiled")
     c.add_argument("--model-path", required=True)
-    c.add_argument("--batch-size", type=int, nargs="+", default=[8, 32], help="each >= 2 (batch 1 runs eagerly)")
+    c.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])
     c.add_argument("--steps", type=int, default=12)
     g = sub.add_parser("gemm")
     g.add_argument("--shapes", choices=sorted(SHAPES), default="200m")
     g.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256, 1024])
+    g.add_argument("--copies", type=int, default=1,
+                   help="distinct copies of each layer shape: 1 = cache-warm, the layer count = streamed as a step")
+    t = sub.add_parser("spec-step")
+    t.add_argument("--model-path", default=None, help="target; default: the default model's GGUF")
+    t.add_argument("--draft-model-path", default=None, help="default: the default draft")
+    t.add_argument("--enable-torch-compile", action="store_true")
+    t.add_argument("--num-prompts", type=int, default=3)
+    t.add_argument("--output-len", type=int, default=48)
     d = sub.add_parser("spec-disable")
     d.add_argument("--num-prompts", type=int, default=32)
     d.add_argument("--output-len", type=int, default=48)
@@ -250,7 +312,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     d.add_argument("--kinds", nargs="+", default=["plain", "disabled", "dflash"],
                    choices=("plain", "disabled", "dflash", "adaptive"))
     args = p.parse_args(argv)
-    {"step": step, "compiled": compiled, "gemm": gemm, "spec-disable": spec_disable}[args.cmd](args)
+    {"step": step, "compiled": compiled, "gemm": gemm, "spec-disable": spec_disable, "spec-step": spec_step}[args.cmd](args)
     return 0
 
 
