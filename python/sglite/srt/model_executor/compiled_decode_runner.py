@@ -119,8 +119,8 @@ class CompiledDecodeRunner:
         # A DFLASH-family target also runs its verify blocks (W > 1 tokens a request) through a second graph of
         # the same function: the draft-free and verify forwards capture the same layers.
         self.verifies = self.capture is not None
-        # Only the batch and key-length dims are symbolic (``run`` marks them); everything else, the capture
-        # list's layer ids included, is a constant of the graph (dynamic=True would trace those ints too).
+        # Only the batch, key-length and verify-width dims are symbolic (``run`` marks them); everything else, the
+        # capture list's layer ids included, is a constant of the graph (dynamic=True would trace those ints too).
         self._compiled = torch.compile(self._model_body, fullgraph=True)
 
     def _model_body(
