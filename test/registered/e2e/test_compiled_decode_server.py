@@ -34,7 +34,7 @@ def test_compiled_server_batched_greedy_equals_transformers(tiny_model_dir, hf_m
                         timeout_s=240)
     try:
         text = log.read_text()
-        assert "Compile decode forward (torch.compile) begin: batch sizes 2 to 8" in text
+        assert "Compile decode forward (torch.compile) begin: batch sizes 1 to 8, DECODE" in text
         assert "Compile decode forward (torch.compile) end. elapsed=" in text
         r = httpx.post(srv.base + "/generate", headers=srv.headers, timeout=120, json={
             "input_ids": prompts, "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
