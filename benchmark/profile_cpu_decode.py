@@ -251,7 +251,8 @@ def spec_disable(args: argparse.Namespace) -> None:
     prompts = random_prompt_ids(args.num_prompts, 64, 4000, 0)
 
     def run(kind: str) -> tuple[float, list]:
-        kw = dict(model_path=args.model_path or TOY_MODEL_DIR, device="cpu", dtype="float32", max_running_requests=64)
+        kw = dict(model_path=args.model_path or TOY_MODEL_DIR, device="cpu", dtype="float32", max_running_requests=64,
+                  enable_torch_compile=args.enable_torch_compile)
         if kind != "plain":
             kw.update(speculative_algorithm="DFLASH", speculative_draft_model_path=args.draft_model_path or TOY_DRAFT_DIR,
                       speculative_adaptive=kind == "adaptive")
@@ -311,6 +312,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     d.add_argument("--draft-model-path", default=None, help="DFLASH draft; default: the toy draft")
     d.add_argument("--kinds", nargs="+", default=["plain", "disabled", "dflash"],
                    choices=("plain", "disabled", "dflash", "adaptive"))
+    d.add_argument("--enable-torch-compile", action="store_true", help="every kind with the flag")
     args = p.parse_args(argv)
     {"step": step, "compiled": compiled, "gemm": gemm, "spec-disable": spec_disable, "spec-step": spec_step}[args.cmd](args)
     return 0
