@@ -2,14 +2,13 @@
 tokenizer specials and ChatML template, draft config in the public DFlash format, weight names, and greedy
 speculative decoding with the dflash reference loop equals the target's own greedy decoding."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from sglite.testing.scripts import load_script
 from sglite.testing.greedy_margin import assert_clear_greedy_margins
 
 SUITE = "unit-cpu"
@@ -24,11 +23,7 @@ DRAFT_DIR = ASSETS / "default_draft"
 
 
 def _train_module():
-    spec = importlib.util.spec_from_file_location("train_default_pair", REPO / "scripts" / "train_default_pair.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_default_pair"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "train_default_pair.py")
 
 
 def test_tokenizer_specials_and_chat_template():

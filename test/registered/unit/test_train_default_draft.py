@@ -2,12 +2,12 @@
 the alignment of the target's final hidden states with the block slots, the feature-scale fold into fc, and
 starting the draft's layers from the target's (--init-layers)."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from sglite.testing.scripts import load_script
 
 SUITE = "unit-cpu"
 EST_TIME = 30
@@ -17,11 +17,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("train_default_draft", REPO / "scripts" / "train_default_draft.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_default_draft"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "train_default_draft.py")
 
 
 def test_gram_gives_the_mean_squared_centred_logit_error(script):

@@ -1,9 +1,10 @@
 """bench_memory_plan on the seeds' topology: sglite prices the draft at attn_tp, the wrong rules OOM."""
 
-import importlib.util
 import os
 
 import pytest
+
+from sglite.testing.scripts import load_script
 
 SUITE = "unit-cpu"
 EST_TIME = 10
@@ -14,13 +15,7 @@ CONFIGS = os.path.join(REPO, "test", "registered", "unit", "configs", "model_con
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_memory_plan", os.path.join(REPO, "benchmark", "bench_memory_plan.py"))
-    mod = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.modules["bench_memory_plan"] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(os.path.join(REPO, "benchmark", "bench_memory_plan.py"))
 
 
 @pytest.fixture(scope="module")

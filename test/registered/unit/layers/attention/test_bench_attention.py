@@ -3,23 +3,19 @@
 SUITE = "unit-cpu"
 EST_TIME = 5
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
+
+from sglite.testing.scripts import load_script
 
 _BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "..", "benchmark", "bench_attention.py")
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", os.path.abspath(_BENCH))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_attention"] = mod  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(os.path.abspath(_BENCH))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke path; CUDA runs it in scripts/gpu_check.sh")
