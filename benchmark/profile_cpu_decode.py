@@ -14,7 +14,8 @@ four layer weight shapes (``--copies`` distinct copies of each, so that a step's
 timed, not cached reads) and its LM head, one call each, best of 5 interleaved rounds: ``F.linear`` on the
 column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed (``mkldnn::_linear_pointwise``).
 ``spec-step``: where a DFLASH step's CPU time goes at batch 1 on the default pair (random-token prompts,
-greedy): the draft block, the target's verify, acceptance, the context K/V write, and the whole step. ``spec-disable``: an in-process Scheduler on the toy pair (or
+greedy): the draft block, the target's verify, acceptance, the context K/V write, and the whole step.
+``spec-disable``: an in-process Scheduler on the toy pair (or
 ``--model-path`` / ``--draft-model-path``, e.g. the SmolLM2 GGUF and ``python/sglite/assets/smollm2_draft``),
 greedy, plain vs DFLASH with ``--speculative-disable-by-batch-size 1`` (never drafts) vs DFLASH vs
 ``--speculative-adaptive`` (``--kinds``), CPU seconds for the whole run, alternated twice, outputs
