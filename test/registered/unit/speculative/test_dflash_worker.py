@@ -713,7 +713,12 @@ def test_adaptive_policy_measures_and_stays_lossless(trained):
         buckets = worker.adaptive.buckets
     for i, p in enumerate(prompts):
         assert run.ids[f"r{i}"] == target_greedy(target, p, 30)
-    assert buckets and all(b.t_draft is not None for b in buckets.values())
+    # The first bucket measures both kinds of step. A bucket the traffic reaches later (one request left)
+    # may instead start with a decided neighbour's choice, which depends on the timings; it then records
+    # the steps it runs, and may not have warmed up before the run ends.
+    assert any(b.warm() and b.inherited_from is None for b in buckets.values()), buckets
+    for b in buckets.values():
+        assert b.warm() or (b.inherited_from in buckets and (b.draft_warmup or b.plain_warmup)), buckets
     assert sched.spec_drafted_steps >= 3 and sched.spec_draft_free_steps >= 1
 
 
