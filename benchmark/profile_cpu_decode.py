@@ -1,6 +1,6 @@
 """CPU time per decode step (and a torch.profiler op table) through the ModelRunner, and the GEMM layouts.
 
-    python benchmark/profile_cpu_decode.py step --model-path DIR --batch-size 1 8 32 [--profile] [--no-pack]
+    python benchmark/profile_cpu_decode.py step --model-path DIR --batch-size 1 8 32 [--profile] [--no-pack | --pack-layout L]
     python benchmark/profile_cpu_decode.py compiled --model-path DIR --batch-size 8 32
     python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024 [--copies 12]
     python benchmark/profile_cpu_decode.py spec-disable --num-prompts 32 --output-len 48
@@ -8,11 +8,11 @@
 
 ``step``: 32-token random prompts, one prefill, 12 decode steps; prints the median ``time.process_time``
 per step (steady on a shared box, unlike wall time). ``--no-pack`` skips cpu_gemm's packed copies (the
-before/after A/B). ``compiled``: the --enable-torch-compile graph against the eager forward on the same
-batches, alternated per step, with the largest logit difference and greedy flips. ``gemm``: the model's
-four layer weight shapes (``--copies`` distinct copies of each, so that a step's stream from memory is
-timed, not cached reads) and its LM head, one call each, best of 5 interleaved rounds: ``F.linear`` on the
-column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed (``mkldnn::_linear_pointwise``).
+before/after A/B); ``--pack-layout`` forces one of its two packs. ``compiled``: the --enable-torch-compile
+graph against the eager forward on the same batches, alternated per step, with the largest logit difference
+and greedy flips. ``gemm``: the model's four layer weight shapes (``--copies`` distinct copies of each, so
+that a step's stream from memory is timed, not cached reads) and its LM head, one call each, best of 5
+interleaved rounds: ``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed (``mkldnn::_linear_pointwise``).
 ``spec-step``: where a DFLASH step's CPU time goes at batch 1 on the default pair (random-token prompts,
 greedy): the draft block, the target's verify, acceptance, the context K/V write, and the whole step.
 ``spec-disable``: an in-process Scheduler on the toy pair (or
@@ -80,7 +80,10 @@ def step(args: argparse.Namespace) -> None:
     from sglite.srt.server_args import ServerArgs
 
     if args.no_pack:
-        mr.pack_weights_for_cpu = lambda model: 0
+        mr.pack_weights_for_cpu = lambda model: None
+    elif args.pack_layout != "auto":
+        from sglite.srt.layers.cpu_gemm import pack_weights_for_cpu
+        mr.pack_weights_for_cpu = lambda model: pack_weights_for_cpu(model, args.pack_layout)
     sa = ServerArgs(model_path=args.model_path, device="cpu", dtype="float32").validate()
     runner = mr.ModelRunner(sa)
     vocab = ModelConfig.from_path(args.model_path).vocab_size
@@ -291,6 +294,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
     s.add_argument("--profile", action="store_true")
     s.add_argument("--no-pack", action="store_true")
+    s.add_argument("--pack-layout", choices=("auto", "onednn", "mkl"), default="auto",
+                   help="cpu_gemm's packed copies in this layout (auto: the start-up probe's choice)")
     c = sub.add_parser("compiled")
     c.add_argument("--model-path", required=True)
     c.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])

@@ -1,36 +1,72 @@
-"""CPU fp32 GEMM for small batches on MKL-packed weights (linear layers and LM heads of target and draft).
+"""CPU fp32 GEMM for small batches on packed weights (linear layers and LM heads of target and draft).
 
-At decode batch sizes (M = 2..64 rows) MKL's ``sgemm`` spends much of each call re-blocking the weight
-into its micro-kernel layout; ``cblas_sgemm_pack`` does that once (torch exposes it as
-``mkl::_mkl_reorder_linear_weight`` / ``mkl::_mkl_linear``, the ops Inductor's CPU freezing uses). On
-this project's AVX2 box, over the 200 M Llama's GEMM shapes at 1 thread: M = 8 23.3 -> 16.1 ms, M = 32
-38.0 -> 28.2 ms; but M = 1 (a gemv, bandwidth-bound) 11.3 -> 13.4 ms and prefill-sized M = 1024 670 ->
-1012 ms got slower (docs/benchmarks.md, "Where the time goes"). So the packed copy is used only for
-``PACKED_MIN_ROWS <= M <= PACKED_MAX_ROWS`` and the column-major weight (layers/utils.new_weight_matrix)
-stays for the rest: the price is a second copy of the weights in memory (vLLM's CPU build packs with
-oneDNN and drops the original, paying at M = 1 and at prefill instead). The pack is M-independent
-(checked against ``F.linear`` at M = 1..1000), so one pack serves every batch; ``_mkl_linear`` takes it
-when its ``prepack_batch_size`` equals M.
+At decode batch sizes (M = 2..64 rows) a BLAS ``sgemm`` spends much of each call re-blocking the weight
+into its micro-kernel layout; packing the weight once removes that. Two packs exist in torch's x86 CPU
+builds: MKL's (``mkl::_mkl_reorder_linear_weight`` / ``mkl::_mkl_linear``) and oneDNN's
+(``mkldnn::_reorder_linear_weight`` / ``mkldnn::_linear_pointwise``, the one vLLM's CPU build uses).
+Which is faster depends on the host: on this project's AVX2 boxes, over SmolLM2's shapes at 1 thread,
+one host gave MKL 62 ms against oneDNN 65 ms at M = 5 (round 3, session 7) and another MKL 100 ms against
+oneDNN 66 ms (session 8; M = 32: 237 against 189 ms). So ``pack_weights_for_cpu`` times both on the
+model's own weights and keeps the faster (``choose_pack_layout``). A pack is slower at M = 1 (a gemv,
+bandwidth-bound) and at prefill-sized M, so it is used only for ``PACKED_MIN_ROWS <= M <=
+PACKED_MAX_ROWS`` and the column-major weight (layers/utils.new_weight_matrix) stays for the rest: the
+price is a second copy of the weights in memory (vLLM's CPU build drops the original, paying at M = 1
+and at prefill instead). Both packs are M-independent (checked against ``F.linear`` at M = 1..1000), so
+one pack serves every batch.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The M the pack is tuned for: a decode batch. Any M is computed correctly with it.
+logger = logging.getLogger(__name__)
+
+# The M a pack is tuned for: a decode batch. Any M is computed correctly with it.
 _PACK_BATCH_HINT = 32
-# Rows (tokens) for which the packed copy beats MKL's sgemm on the column-major weight (measured above).
+# Rows (tokens) for which a packed copy beats sgemm on the column-major weight (measured above).
 PACKED_MIN_ROWS = 2
 PACKED_MAX_ROWS = 64
+
+PACK_LAYOUTS = ("onednn", "mkl")
+# Below this many bytes of packable weights the probe would time cache hits, not the weight stream a
+# decode step pays: such a (test-sized) model takes DEFAULT_PACK_LAYOUT without timing, deterministically.
+PROBE_MIN_BYTES = 64 << 20
+PROBE_ROWS = (4, 32)  # a verify block and a decode batch
+PROBE_REPEATS = 3  # best of, per layout
+DEFAULT_PACK_LAYOUT = "onednn"
 
 
 def mkl_packing_available() -> bool:
     """Whether this torch build has MKL's packed sgemm (x86 CPU builds do)."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def onednn_packing_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear (x86 CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def available_pack_layouts() -> tuple[str, ...]:
+    """The pack layouts this torch build offers, in PACK_LAYOUTS order."""
+    have = {"onednn": onednn_packing_available(), "mkl": mkl_packing_available()}
+    return tuple(name for name in PACK_LAYOUTS if have[name])
+
+
+def pack_weight(weight: torch.Tensor, layout: str) -> torch.Tensor:
+    """A packed copy of a ``[out, in]`` fp32 CPU weight in ``layout`` ("onednn" or "mkl")."""
+    w = weight.detach().contiguous()
+    if layout == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+    if layout == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_BATCH_HINT)
+    raise ValueError(f"unknown CPU pack layout {layout!r}; expected one of {PACK_LAYOUTS}")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]) -> torch.Tensor:
@@ -49,9 +85,12 @@ def _linear_with_pack(
 ) -> torch.Tensor:
     """The packed copy for ``PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS``, ``F.linear`` on the weight otherwise."""
     rows = x.numel() // x.shape[-1]
-    if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
-        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
-    return F.linear(x, weight, bias)
+    if not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    # oneDNN's pack keeps the weight's [out, in] shape; MKL's is a flat [elements, 1] buffer.
+    if packed.shape == weight.shape:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
 # ``sglite::packed_linear``: ``_linear_with_pack`` as a registered op, for compiled forwards
@@ -67,7 +106,7 @@ def _packed_linear_fake(
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-_LIB.impl("packed_linear", _linear_with_pack, "CompositeExplicitAutograd")  # the pack is an MkldnnCPU tensor
+_LIB.impl("packed_linear", _linear_with_pack, "CompositeExplicitAutograd")  # a pack is an MkldnnCPU tensor
 torch.library.register_fake("sglite::packed_linear", _packed_linear_fake, lib=_LIB)
 
 
@@ -82,17 +121,67 @@ def _packable(module: nn.Module) -> bool:
     )
 
 
-def pack_weights_for_cpu(model: nn.Module) -> int:
-    """Give every opted-in fp32 CPU weight of ``model`` a packed copy; returns how many were packed.
+@dataclass(frozen=True)
+class PackChoice:
+    """The pack layout a model's weights got, and what the probe measured (empty when it did not time)."""
 
-    A tied LM head gets its own packed copy too (the embedding keeps reading the original).
+    layout: str
+    probe_ms: dict[str, float]  # per layout: the probe set's GEMMs at PROBE_ROWS, best of PROBE_REPEATS
+    probe_bytes: int  # weight bytes the probe streamed per pass
+
+
+def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) -> PackChoice:
+    """The faster layout on these weights: the first PROBE_MIN_BYTES of them packed both ways and timed.
+
+    Only a prefix is packed twice, so the probe's extra memory stays ~2 x PROBE_MIN_BYTES however large
+    the model. CPU time of the calling thread's process (``time.process_time``): steady on a shared box.
     """
-    if not mkl_packing_available():
-        return 0
-    n = 0
-    for module in model.modules():
-        if _packable(module):
-            w = module.weight.detach().contiguous()
-            module.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_BATCH_HINT)
-            n += 1
-    return n
+    probe, size = [], 0
+    for w in weights:
+        if size >= PROBE_MIN_BYTES:
+            break
+        probe.append(w)
+        size += w.numel() * w.element_size()
+    if len(layouts) == 1 or size < PROBE_MIN_BYTES:
+        layout = DEFAULT_PACK_LAYOUT if DEFAULT_PACK_LAYOUT in layouts else layouts[0]
+        return PackChoice(layout=layout, probe_ms={}, probe_bytes=0)
+    packs = {name: [pack_weight(w, name) for w in probe] for name in layouts}
+    inputs = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in probe} for rows in PROBE_ROWS}
+    best = {name: float("inf") for name in layouts}
+    for _ in range(PROBE_REPEATS):
+        for name in layouts:  # interleaved, so a slow moment of the box hits both
+            t0 = time.process_time()
+            for rows, xs in inputs.items():
+                for w, p in zip(probe, packs[name]):
+                    _linear_with_pack(xs[w.shape[1]], p, w, None)
+            best[name] = min(best[name], time.process_time() - t0)
+    probe_ms = {name: t * 1e3 for name, t in best.items()}
+    return PackChoice(layout=min(probe_ms, key=probe_ms.get), probe_ms=probe_ms, probe_bytes=size)
+
+
+def pack_weights_for_cpu(model: nn.Module, layout: str = "auto") -> Optional[PackChoice]:
+    """Give every opted-in fp32 CPU weight of ``model`` a packed copy, in ``layout`` or the probe's choice.
+
+    Returns the choice (None when nothing was packed). A tied LM head gets its own packed copy too (the
+    embedding keeps reading the original).
+    """
+    layouts = available_pack_layouts()
+    modules = [m for m in model.modules() if _packable(m)]
+    if not layouts or not modules:
+        return None
+    if layout == "auto":
+        choice = choose_pack_layout([m.weight for m in modules], layouts)
+    elif layout in layouts:
+        choice = PackChoice(layout=layout, probe_ms={}, probe_bytes=0)
+    else:
+        raise ValueError(f"CPU pack layout {layout!r} is not available in this torch build (have {layouts})")
+    for module in modules:
+        module.packed_weight = pack_weight(module.weight, choice.layout)
+    if choice.probe_ms:
+        timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in choice.probe_ms.items())
+        logger.info(
+            "CPU GEMM: %d weights packed for %s (%d-%d rows); probe over %.0f MB of them at %s rows: %s",
+            len(modules), choice.layout, PACKED_MIN_ROWS, PACKED_MAX_ROWS, choice.probe_bytes / 1e6,
+            " and ".join(map(str, PROBE_ROWS)), timings,
+        )
+    return choice

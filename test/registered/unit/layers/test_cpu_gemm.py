@@ -1,4 +1,4 @@
-"""cpu_gemm: MKL-packed CPU weights give F.linear's products at every batch size, and only where packed."""
+"""cpu_gemm: packed CPU weights (oneDNN or MKL) give F.linear's products at every batch size; the probe picks one."""
 
 import pytest
 import torch
@@ -6,14 +6,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator
-from sglite.srt.layers.cpu_gemm import PACKED_MAX_ROWS, linear, mkl_packing_available, pack_weights_for_cpu
+from sglite.srt.layers import cpu_gemm
+from sglite.srt.layers.cpu_gemm import (
+    PACKED_MAX_ROWS,
+    available_pack_layouts,
+    choose_pack_layout,
+    linear,
+    pack_weights_for_cpu,
+)
 from sglite.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 SUITE = "unit-cpu"
 EST_TIME = 2
 
-pytestmark = pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL")
+pytestmark = pytest.mark.skipif(not available_pack_layouts(), reason="torch built without MKL or oneDNN")
 
 
 def tp1() -> GroupCoordinator:
@@ -40,14 +47,19 @@ class Holder(nn.Module):
         self.plain = nn.Linear(48, 8)  # not opted in: stays as it is
 
 
-def test_packed_layers_match_f_linear_at_every_batch_size():
+@pytest.mark.parametrize("layout", ["onednn", "mkl"])
+def test_packed_layers_match_f_linear_at_every_batch_size(layout):
+    if layout not in available_pack_layouts():
+        pytest.skip(f"torch built without {layout}")
     torch.manual_seed(0)
     m = Holder()
     for p in m.parameters():
         p.data.copy_(torch.randn_like(p))
     m.head.tie_to(m.embed)
     before = {k: v.clone() for k, v in m.state_dict().items()}
-    assert pack_weights_for_cpu(m) == 4  # qkv, o, rep, and the tied head gets its own copy
+    assert pack_weights_for_cpu(m, layout).layout == layout
+    packed = [mod for mod in m.modules() if mod.__dict__.get("packed_weight") is not None]
+    assert {id(mod) for mod in packed} == {id(m.qkv), id(m.o), id(m.rep), id(m.head)}  # the tied head too
     assert m.plain.__dict__.get("packed_weight") is None and m.embed.__dict__.get("packed_weight") is None
     for k, v in m.state_dict().items():  # originals untouched: the embedding still reads the tied weight
         assert torch.equal(v, before[k]), k
@@ -62,4 +74,28 @@ def test_packed_layers_match_f_linear_at_every_batch_size():
 
 def test_only_fp32_cpu_weights_are_packed():
     m = ReplicatedLinear(16, 16, bias=False, params_dtype=torch.bfloat16)
-    assert pack_weights_for_cpu(m) == 0 and m.packed_weight is None
+    assert pack_weights_for_cpu(m) is None and m.packed_weight is None
+
+
+def test_a_test_sized_model_takes_the_default_layout_without_timing():
+    """Under PROBE_MIN_BYTES the probe would time cache hits: the default, the same on every run."""
+    choice = pack_weights_for_cpu(Holder())
+    assert choice.layout == cpu_gemm.DEFAULT_PACK_LAYOUT and choice.probe_ms == {} and choice.probe_bytes == 0
+
+
+def test_the_probe_times_every_layout_on_a_prefix_and_keeps_the_fastest(monkeypatch):
+    layouts = available_pack_layouts()
+    if len(layouts) < 2:
+        pytest.skip("one pack layout only")
+    monkeypatch.setattr(cpu_gemm, "PROBE_MIN_BYTES", 2 * 64 * 48 * 4)  # two of the three weights
+    monkeypatch.setattr(cpu_gemm, "PROBE_ROWS", (4,))
+    weights = [torch.randn(64, 48) for _ in range(3)]
+    choice = choose_pack_layout(weights, layouts)
+    assert set(choice.probe_ms) == set(layouts) and all(ms >= 0 for ms in choice.probe_ms.values())
+    assert choice.layout == min(choice.probe_ms, key=choice.probe_ms.get)
+    assert choice.probe_bytes == 2 * 64 * 48 * 4
+
+
+def test_an_unknown_layout_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="'avx9'"):
+        pack_weights_for_cpu(Holder(), "avx9")
