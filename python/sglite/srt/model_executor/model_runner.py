@@ -18,7 +18,7 @@ from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import init_parallel_runtime
 from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_dp_peer_group, get_tp_group
 from sglite.srt.layers.attention.registry import create_attention_backend
-from sglite.srt.layers.cpu_gemm import pack_weights_for_cpu
+from sglite.srt.layers.cpu_gemm import PackChoice, pack_weights_for_cpu
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.layers.sampler import Sampler
 from sglite.srt.mem_cache.kv_cache_dtype import model_runtime_dtype
@@ -101,8 +101,12 @@ class ModelRunner:
         self.model = load_model(
             self.model_config, path, self.device, self.dtype, show_progress=self.tp_rank == 0 and not is_draft
         )
+        # The CPU pack layout is a fact of the host, timed once on the target's weights: a draft (too few
+        # layers to time past the caches) packs like its target.
+        self.cpu_pack: Optional[PackChoice] = None
         if self.device.type == "cpu":
-            pack_weights_for_cpu(self.model)
+            target_pack = target_runner.cpu_pack if is_draft else None
+            self.cpu_pack = pack_weights_for_cpu(self.model, target_pack.layout if target_pack else "auto")
         if is_draft and hasattr(self.model, "attach_target_head"):
             target_model = target_runner.model
             self.model.attach_target_head(

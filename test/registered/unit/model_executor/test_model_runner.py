@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from sglite.srt.layers import cpu_gemm
 from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.model_executor.model_runner import ModelRunner
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -109,6 +110,24 @@ def test_draft_runner_shares_allocator_and_table(dflash_pair, rank0):
     assert draft.forward(block).next_token_logits.shape == (4, 512)
     with pytest.raises(ValueError, match="another runner's pool"):
         target.forward(block)
+
+
+def test_draft_packs_its_cpu_weights_like_its_target(dflash_pair, rank0, monkeypatch):
+    """The pack layout is timed once, on the target; the draft takes it, whatever its own default would be."""
+    if "mkl" not in cpu_gemm.available_pack_layouts():
+        pytest.skip("torch built without MKL")
+    target_dir, draft_dir = dflash_pair
+    args = ServerArgs(
+        model_path=target_dir, device="cpu", cpu_kv_cache_budget_mb=1,
+        speculative_algorithm="DFLASH", speculative_draft_model_path=draft_dir,
+    ).validate()
+    monkeypatch.setattr(cpu_gemm, "DEFAULT_PACK_LAYOUT", "mkl")  # as if the target's probe had chosen MKL
+    target = ModelRunner(args)
+    monkeypatch.setattr(cpu_gemm, "DEFAULT_PACK_LAYOUT", "onednn")
+    draft = ModelRunner(args, is_draft=True, target_runner=target)
+    assert target.cpu_pack.layout == draft.cpu_pack.layout == "mkl"
+    packed = [m for m in draft.model.modules() if m.__dict__.get("packed_weight") is not None]
+    assert packed and all(m.packed_weight.shape != m.weight.shape for m in packed)  # MKL's flat buffers
 
 
 def test_bfloat16_runner(model_dir, rank0):
