@@ -1,6 +1,7 @@
 """CPU time per decode step (and a torch.profiler op table) through the ModelRunner, and the GEMM layouts.
 
     python benchmark/profile_cpu_decode.py step --model-path DIR --batch-size 1 8 32 [--profile] [--no-pack | --pack-layout L]
+        [--enable-torch-compile]
     python benchmark/profile_cpu_decode.py compiled --model-path DIR --batch-size 8 32
     python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024 [--copies 12]
     python benchmark/profile_cpu_decode.py spec-disable --num-prompts 32 --output-len 48
@@ -84,7 +85,8 @@ def step(args: argparse.Namespace) -> None:
     elif args.pack_layout != "auto":
         from sglite.srt.layers.cpu_gemm import pack_weights_for_cpu
         mr.pack_weights_for_cpu = lambda model: pack_weights_for_cpu(model, args.pack_layout)
-    sa = ServerArgs(model_path=args.model_path, device="cpu", dtype="float32").validate()
+    sa = ServerArgs(model_path=args.model_path, device="cpu", dtype="float32",
+                    enable_torch_compile=args.enable_torch_compile).validate()
     runner = mr.ModelRunner(sa)
     vocab = ModelConfig.from_path(args.model_path).vocab_size
     for bs in args.batch_size:
@@ -294,6 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
     s.add_argument("--profile", action="store_true")
     s.add_argument("--no-pack", action="store_true")
+    s.add_argument("--enable-torch-compile", action="store_true", help="decode through the compiled graph")
     s.add_argument("--pack-layout", choices=("auto", "onednn", "mkl"), default="auto",
                    help="cpu_gemm's packed copies in this layout (auto: the start-up probe's choice)")
     c = sub.add_parser("compiled")
