@@ -133,8 +133,8 @@ class PackChoice:
 def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) -> PackChoice:
     """The faster layout on these weights: the first PROBE_MIN_BYTES of them packed both ways and timed.
 
-    Only a prefix is packed twice, so the probe's extra memory stays ~2 x PROBE_MIN_BYTES however large
-    the model. CPU time of the calling thread's process (``time.process_time``): steady on a shared box.
+    Only a prefix is packed twice, so the probe's extra memory stays about 2 x (PROBE_MIN_BYTES + one
+    weight) however large the model. CPU time of the calling thread's process (``time.process_time``): steady on a shared box.
     """
     probe, size = [], 0
     for w in weights:
