@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -126,15 +126,17 @@ class PackChoice:
     """The pack layout a model's weights got, and what the probe measured (empty when it did not time)."""
 
     layout: str
-    probe_ms: dict[str, float]  # per layout: the probe set's GEMMs at PROBE_ROWS, best of PROBE_REPEATS
-    probe_bytes: int  # weight bytes the probe streamed per pass
+    # per layout: the probe set's GEMMs at PROBE_ROWS, best of PROBE_REPEATS
+    probe_ms: dict[str, float] = field(default_factory=dict)
+    probe_bytes: int = 0  # weight bytes the probe streamed per pass
 
 
 def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) -> PackChoice:
     """The faster layout on these weights: the first PROBE_MIN_BYTES of them packed both ways and timed.
 
     Only a prefix is packed twice, so the probe's extra memory stays about 2 x (PROBE_MIN_BYTES + one
-    weight) however large the model. CPU time of the calling thread's process (``time.process_time``): steady on a shared box.
+    weight) however large the model. Timed in process CPU time (``time.process_time``), which is steadier
+    than wall time on a shared box.
     """
     probe, size = [], 0
     for w in weights:
@@ -144,7 +146,7 @@ def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) ->
         size += w.numel() * w.element_size()
     if len(layouts) == 1 or size < PROBE_MIN_BYTES:
         layout = DEFAULT_PACK_LAYOUT if DEFAULT_PACK_LAYOUT in layouts else layouts[0]
-        return PackChoice(layout=layout, probe_ms={}, probe_bytes=0)
+        return PackChoice(layout=layout)
     packs = {name: [pack_weight(w, name) for w in probe] for name in layouts}
     inputs = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in probe} for rows in PROBE_ROWS}
     best = {name: float("inf") for name in layouts}
@@ -172,7 +174,7 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto") -> Optional[Pac
     if layout == "auto":
         choice = choose_pack_layout([m.weight for m in modules], layouts)
     elif layout in layouts:
-        choice = PackChoice(layout=layout, probe_ms={}, probe_bytes=0)
+        choice = PackChoice(layout=layout)
     else:
         raise ValueError(f"CPU pack layout {layout!r} is not available in this torch build (have {layouts})")
     for module in modules:
