@@ -2,10 +2,10 @@
 
 A worker owns a target ``ModelRunner`` (and, under speculation, a draft runner sharing its slot
 allocator and req->token table). The scheduler allocates KV slots and writes them into
-``req_to_token`` before calling ``forward_prefill`` / ``forward_decode``; for decode it allocates
-``num_decode_tokens_per_req`` slots per request (1, or the block size B under speculation). The
-worker returns each request's new token ids (prefill: 1; decode: 1..B, whose K/V it has written at
-the first slots).
+``req_to_token`` before calling ``forward_prefill`` / ``forward_decode``; for decode it allocates ``decode_width(bs)``
+slots per request, at most ``num_decode_tokens_per_req`` (1, or the verify width W under speculation,
+where a step that skips the draft takes 1). The worker returns each request's new token ids (prefill:
+1; decode: 1..width, whose K/V it has written at the first slots).
 """
 
 from __future__ import annotations
@@ -83,6 +83,14 @@ class BaseModelWorker(ABC):
         """
         return not self.is_speculative
 
+    def decode_width(self, batch_size: int) -> int:
+        """Slots per request the next decode step of batch_size requests writes (1..num_decode_tokens_per_req).
+
+        The scheduler asks once per decode step, before it allocates; a speculative worker decides here
+        whether that step drafts (``DFlashWorker``), and the batch's width tells ``forward_decode``.
+        """
+        return self.num_decode_tokens_per_req
+
     def flush_deferred_kv(self) -> None:
         """Write any K/V the worker deferred (none here); the scheduler calls it before a request's slots change hands."""
 
@@ -92,7 +100,7 @@ class BaseModelWorker(ABC):
 
     @abstractmethod
     def forward_decode(self, batch: "ScheduleBatch") -> list[list[int]]:
-        """Run one decode step; return 1..num_decode_tokens_per_req new tokens per request."""
+        """Run one decode step over the batch's slots (``decode_width`` per request); return 1..width new tokens each."""
 
     def memory_plan(self) -> dict[str, Any]:
         """This rank's memory plan (the target runner's MemoryPoolConfig, draft cell included) as a dict."""

@@ -363,7 +363,9 @@ class Scheduler(
     # ================================================================== decode
     def _run_decode(self) -> bool:
         """One decode forward over the running requests; False when retraction left nothing to run."""
-        t = int(self.worker.num_decode_tokens_per_req)
+        # Asked once per step: a speculative worker decides here whether the step drafts (W slots a request) or
+        # not (1: K/V stays contiguous, nothing is freed after). Retraction below only shrinks the batch.
+        t = int(self.worker.decode_width(len(self.running)))
         loc = None
         while self.running:
             self._check_row_room(t)

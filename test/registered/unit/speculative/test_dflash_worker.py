@@ -612,6 +612,9 @@ def test_disable_by_batch_size_crosses_both_ways_and_stays_lossless(trained, mon
     waiting = []  # deferred rows before each step
     with spec_scheduler(target_dir, tr.draft_dir, speculative_disable_by_batch_size=3) as (sched, worker):
         assert worker.deferred_context.capacity == (buffer_rows or 256)
+        widths = []  # (batch size, slots a request) per decode step
+        decode = worker.forward_decode
+        worker.forward_decode = lambda batch: widths.append((batch.batch_size, set(batch.extend_lens))) or decode(batch)
         sched.add_request(TokenizedGenerateReqInput(rid="a", input_text=None, input_ids=list(prompt_a),
                                                     sampling_params=greedy(40), stream=True))
         ids: dict[str, list[int]] = {}
@@ -643,6 +646,9 @@ def test_disable_by_batch_size_crosses_both_ways_and_stays_lossless(trained, mon
     back = off + kinds[off:].index(True)
     assert any(kinds[:off]) and not any(kinds[off:back]) and all(kinds[back:]), kinds
     assert all(n == 1 for _, d, n in a_steps if not d)
+    # A draft-free step is allocated one slot a request, a drafted one the verify width.
+    assert {bs >= 3 for bs, _ in widths} == {True, False}
+    assert all(w == {1 if bs >= 3 else worker.num_decode_tokens_per_req} for bs, w in widths), widths
     # The resumed step's anchor is A's newest token; the reference prefills up to it and emits it first.
     start = a_steps[back][0] - 1
     _, ref_lens = reference_block_generate(draft, target, list(prompt_a) + ids["a"][:start], 40 - start)
@@ -683,6 +689,9 @@ def test_adaptive_steps_through_both_paths_stay_lossless(trained, caplog):
     with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True, decode_log_interval=5) as (sched, worker):
         assert isinstance(worker.adaptive, AdaptiveSpeculation)
         policy = worker.adaptive = ScriptedPolicy([True, False, False, True, False])
+        widths = []  # slots a request per decode step: W drafted, 1 draft-free (contiguous K/V, nothing freed)
+        decode = worker.forward_decode
+        worker.forward_decode = lambda batch: widths.append(set(batch.extend_lens)) or decode(batch)
         ids, lps = generate_with_logprobs(sched, prompts, params, "a")
         steps = (sched.spec_drafted_steps, sched.spec_draft_free_steps)
         verify_total, accepted_total = sched.spec_verify_total, sched.spec_accepted_total
@@ -695,6 +704,7 @@ def test_adaptive_steps_through_both_paths_stay_lossless(trained, caplog):
     drafted = [r for r in policy.records if r[1]]
     free = [r for r in policy.records if not r[1]]
     assert len(policy.records) == policy.asked and steps == (len(drafted), len(free)) and drafted and free
+    assert widths == [{worker.num_decode_tokens_per_req if d else 1} for _, d, _, _ in policy.records], widths
     assert all(s > 0 for _, _, s, _ in policy.records)
     assert all(t == 1.0 for *_, t in free) and all(t >= 1.0 for *_, t in drafted)
     assert max(t for *_, t in drafted) > 1.0  # the trained draft is accepted on the drafted steps
