@@ -125,6 +125,10 @@ class DraftConfig:
     # start at 1). Needs --draft-intermediate-size equal to the target's (1536). "" = a fresh seeded init.
     # A 120-step A/B (docs/default_model.md): loss 6.65 / proxy tau 1.117 from 28,29 against 7.74 / 1.078 fresh.
     init_layers: str = "28,29"
+    # "bfloat16": the draft's forward and the LM-head loss run under CPU autocast (bf16 GEMMs, fp32 master weights,
+    # optimizer and softmax); on a CPU with AMX or AVX512-BF16 the step is several times faster (docs/default_model.md).
+    # "float32" runs everything in fp32.
+    autocast: str = "float32"
     # The stored weights' dtype. sglite runs a draft in its target's dtype (fp32 here), so bf16 storage only
     # halves the file; greedy speculation stays exact because the target verifies every token.
     save_dtype: str = "bfloat16"
@@ -432,24 +436,25 @@ def train_draft(cfg: DraftConfig, draft, target, data: DraftData, vocab: torch.T
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, cfg.draft_steps, cfg.draft_lr, warmup=cfg.draft_steps // 20 + 1)
         batch, ctx, finals = make_batch(cfg, data, draft, embed, gen, distill)
-        out = draft(
-            position_ids=batch.position_ids,
-            attention_mask=batch.attention_mask,
-            noise_embedding=F.embedding(batch.block_ids, embed),
-            target_hidden=ctx,
-        )
-        N, A = batch.labels.shape[:2]
-        k = cfg.loss_slots or B - 1
-        hidden, slot_labels = out.view(N, A, B, -1)[:, :, 1 : 1 + k], batch.labels[..., :k]
-        if distill:
-            loss, hit = distill_loss(hidden, finals[:, :, :k], slot_labels, head_w, gram, weights[:k], cfg, neg_gen)
-        else:
-            logits = F.linear(hidden, head_w)
-            labels = torch.where(slot_labels >= 0, remap[slot_labels.clamp_min(0)], slot_labels)
-            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none", ignore_index=-100)
-            w = weights[:k].view(1, 1, -1) * (labels != -100).float()
-            loss = (nll.view_as(w) * w).sum() / w.sum()
-            hit = logits.argmax(-1) == labels
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16"):
+            out = draft(
+                position_ids=batch.position_ids,
+                attention_mask=batch.attention_mask,
+                noise_embedding=F.embedding(batch.block_ids, embed),
+                target_hidden=ctx,
+            )
+            N, A = batch.labels.shape[:2]
+            k = cfg.loss_slots or B - 1
+            hidden, slot_labels = out.view(N, A, B, -1)[:, :, 1 : 1 + k], batch.labels[..., :k]
+            if distill:
+                loss, hit = distill_loss(hidden, finals[:, :, :k], slot_labels, head_w, gram, weights[:k], cfg, neg_gen)
+            else:
+                logits = F.linear(hidden, head_w)
+                labels = torch.where(slot_labels >= 0, remap[slot_labels.clamp_min(0)], slot_labels)
+                nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none", ignore_index=-100)
+                w = weights[:k].view(1, 1, -1) * (labels != -100).float()
+                loss = (nll.view_as(w) * w).sum() / w.sum()
+                hit = logits.argmax(-1) == labels
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -465,6 +470,7 @@ def train_draft(cfg: DraftConfig, draft, target, data: DraftData, vocab: torch.T
         tqdm.write(json.dumps(evals[-1]))
     draft.eval()
     return {
+        "first_loss": losses[0] if losses else None,
         "final_loss": float(np.mean(losses[-50:])),
         "final_train_tau": float(np.mean(taus[-50:])),
         "proxy": evals,
@@ -500,6 +506,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     if cfg.save_dtype not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--save-dtype must be float32, bfloat16 or float16, got {cfg.save_dtype!r}")
+    if cfg.autocast not in ("float32", "bfloat16"):
+        raise SystemExit(f"--autocast must be float32 or bfloat16, got {cfg.autocast!r}")
     if cfg.loss not in ("distill", "ce"):
         raise SystemExit(f"--loss must be distill or ce, got {cfg.loss!r}")
     if cfg.init_layers and cfg.init_from:

@@ -1,6 +1,6 @@
 """The default draft's training script (scripts/train_default_draft.py): the distillation loss's Gram identity,
-the alignment of the target's final hidden states with the block slots, the feature-scale fold into fc, and
-starting the draft's layers from the target's (--init-layers)."""
+the alignment of the target's final hidden states with the block slots, the feature-scale fold into fc,
+starting the draft's layers from the target's (--init-layers), and training steps under --autocast."""
 
 from pathlib import Path
 
@@ -106,3 +106,34 @@ def test_init_layers_refuses_a_mismatch(script):
         script.build_draft(script.DraftConfig(draft_layers=2, draft_intermediate_size=48), target, 0, [1, 2])  # default 28,29
     with pytest.raises(SystemExit, match=r"mlp\.gate_proj\.weight is \(48, 32\) in the target, \(40, 32\)"):
         script.build_draft(script.DraftConfig(draft_layers=2, draft_intermediate_size=40, init_layers="2,3"), target, 0, [1, 2])
+
+
+@pytest.mark.parametrize("autocast", ["float32", "bfloat16"])
+def test_training_steps_under_either_autocast_keep_fp32_weights_and_learn(script, autocast):
+    """--autocast bfloat16 runs the forward and the head in bf16 but keeps fp32 weights; on learnable rows the loss
+    falls under either setting, and the bf16 first-step loss is the fp32 one within bf16 rounding."""
+    target = _tiny_llama()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    rows = 4
+    data = script.DraftData(
+        tokens=[(torch.arange(24) * 3 + 7 * r) % 64 for r in range(rows)],  # each next token follows from the anchor
+        features=[torch.randn(24, 2 * 32, generator=gen).to(torch.bfloat16) for _ in range(rows)],
+        prompt_lens=[4] * rows,
+        valid_lens=[24] * rows,
+    )
+    losses = {}
+    for mode in ("float32", autocast):
+        torch.manual_seed(1)
+        cfg = script.DraftConfig(draft_layers=1, draft_intermediate_size=48, block_size=4, init_layers="",
+                                 draft_steps=30, draft_batch_size=2, blocks_per_seq=4, eval_chunk=-1, autocast=mode)
+        draft = script.build_draft(cfg, target, mask_token_id=0, layer_ids=[1, 2])
+        vocab = torch.arange(64)
+        stats = script.train_draft(cfg, draft, target, data, vocab)
+        assert stats["steps_done"] == 30 and all(p.dtype == torch.float32 for p in draft.parameters())
+        losses[mode] = stats
+    got = losses[autocast]
+    assert torch.isfinite(torch.tensor(got["final_loss"]))
+    assert got["first_loss"] == pytest.approx(losses["float32"]["first_loss"], rel=0.03)
+    assert got["final_loss"] < got["first_loss"]
