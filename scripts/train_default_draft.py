@@ -480,6 +480,20 @@ def train_draft(cfg: DraftConfig, draft, target, data: DraftData, vocab: torch.T
     }
 
 
+def check_training_flags(cfg: DraftConfig) -> None:
+    """Refuse bad draft-training flags before the ~30-minute reply stage, not after it."""
+    if cfg.save_dtype not in ("float32", "bfloat16", "float16"):
+        raise SystemExit(f"--save-dtype must be float32, bfloat16 or float16, got {cfg.save_dtype!r}")
+    if cfg.autocast not in ("float32", "bfloat16"):
+        raise SystemExit(f"--autocast must be float32 or bfloat16, got {cfg.autocast!r}")
+    if cfg.loss not in ("distill", "ce"):
+        raise SystemExit(f"--loss must be distill or ce, got {cfg.loss!r}")
+    if cfg.init_layers and cfg.init_from:
+        raise SystemExit("--init-layers and --init-from both set the draft's starting weights; pass one (--init-layers '' drops it)")
+    if cfg.feature_scale and cfg.init_from:
+        raise SystemExit("--feature-scale 1 trains fc on rescaled features; a saved draft's fc takes raw ones (drop --init-from)")
+
+
 def parse_args(argv: Optional[list[str]] = None) -> DraftConfig:
     """CLI flags mirror DraftConfig fields (`--draft-steps 900`, ...)."""
     return parse_config_args(DraftConfig, argv, __doc__)
@@ -492,6 +506,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(f"--stage must be all or data, got {cfg.stage!r}")
     if cfg.stage == "all" and cfg.chunk_stride != 1:
         raise SystemExit("--chunk-stride splits the data stage only")
+    if cfg.stage == "all":
+        check_training_flags(cfg)
     seed_everything(cfg.seed, cfg.num_threads)
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -504,16 +520,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     if cfg.stage == "data":
         print(f"{sum(len(c.tokens) for c in chunks)} replies in {work}")
         return
-    if cfg.save_dtype not in ("float32", "bfloat16", "float16"):
-        raise SystemExit(f"--save-dtype must be float32, bfloat16 or float16, got {cfg.save_dtype!r}")
-    if cfg.autocast not in ("float32", "bfloat16"):
-        raise SystemExit(f"--autocast must be float32 or bfloat16, got {cfg.autocast!r}")
-    if cfg.loss not in ("distill", "ce"):
-        raise SystemExit(f"--loss must be distill or ce, got {cfg.loss!r}")
-    if cfg.init_layers and cfg.init_from:
-        raise SystemExit("--init-layers and --init-from both set the draft's starting weights; pass one (--init-layers '' drops it)")
-    if cfg.feature_scale and cfg.init_from:
-        raise SystemExit("--feature-scale 1 trains fc on rescaled features; a saved draft's fc takes raw ones (drop --init-from)")
     if cfg.loss == "distill":
         finals = target_finals(cfg, target, chunks, work)
         chunks = [with_finals(c, f) for c, f in zip(chunks, finals)]

@@ -137,3 +137,12 @@ def test_training_steps_under_either_autocast_keep_fp32_weights_and_learn(script
     assert torch.isfinite(torch.tensor(got["final_loss"]))
     assert got["first_loss"] == pytest.approx(losses["float32"]["first_loss"], rel=0.03)
     assert got["final_loss"] < got["first_loss"]
+
+
+def test_bad_training_flags_are_refused_before_the_reply_stage(script, monkeypatch):
+    """A typo in a training flag fails at once, before the target loads and the replies are generated."""
+    monkeypatch.setattr(script, "load_target", lambda *a: pytest.fail("the target loaded before the flags were checked"))
+    with pytest.raises(SystemExit, match="--autocast must be float32 or bfloat16, got 'fp16'"):
+        script.main(["--autocast", "fp16"])
+    with pytest.raises(SystemExit, match="--loss must be distill or ce"):
+        script.main(["--loss", "mse"])
