@@ -58,6 +58,56 @@ TEMPLATES: list[tuple[str, str]] = [
     ("What does this sentence mean: '{x}'?", "phrase"),
 ]
 
+# Session 10: more templates, crossed with the same subjects, so the replies double without a new
+# held-out split. Their prompts are APPENDED to the training list (the first 3,260 keep their order,
+# so earlier reply chunks stay valid), and those with a held-out subject are dropped, not held out
+# (the held-out list, and every acceptance figure measured on it, stays the same).
+MORE_TEMPLATES: list[tuple[str, str]] = [
+    ("What are some common myths about {x}?", "thing"),
+    ("Explain {x} using an everyday analogy.", "thing"),
+    ("Write a short dialogue between two friends talking about {x}.", "thing"),
+    ("What would the world be like without {x}?", "thing"),
+    ("Teach me the basics of {x}.", "thing"),
+    ("Write a tweet about {x}.", "thing"),
+    ("What questions do children often ask about {x}?", "thing"),
+    ("Describe {x} in one paragraph.", "thing"),
+    ("How has {x} changed over time?", "thing"),
+    ("Write a quiz question about {x} and give the answer.", "thing"),
+    ("What is a surprising thing most people do not know about {x}?", "thing"),
+    ("Write the opening lines of a blog post about {x}.", "thing"),
+    ("What are the main parts or ideas of {x}?", "thing"),
+    ("Give me a simple example that shows {x}.", "thing"),
+    ("I want to {x}. Where should I start?", "task"),
+    ("Explain how to {x} in three steps.", "task"),
+    ("How long does it take to {x}?", "task"),
+    ("What do I need to {x}?", "task"),
+    ("Why is it hard to {x}?", "task"),
+    ("Give me a checklist to {x}.", "task"),
+    ("My friend wants to {x}. What advice should I give?", "task"),
+    ("What food is {x} known for?", "place"),
+    ("Tell me about the history of {x}.", "place"),
+    ("What are the top places to visit in {x}?", "place"),
+    ("Describe a typical day in {x}.", "place"),
+    ("Write a short poem about {x}.", "place"),
+    ("What should a tourist know before visiting {x}?", "place"),
+    ("Explain the code for a function that {x}, line by line.", "code"),
+    ("Write a C function that {x}.", "code"),
+    ("What is the simplest way to write a program that {x}?", "code"),
+    ("Write a Python class with a method that {x}.", "code"),
+    ("Why is {x} famous?", "person"),
+    ("What can we learn from {x}?", "person"),
+    ("Write a short poem about {x}.", "person"),
+    ("Give me three facts about {x}.", "person"),
+    ("Describe the life of {x} for a child.", "person"),
+    ("Translate '{x}' into German.", "phrase"),
+    ("Translate '{x}' into Italian.", "phrase"),
+    ("Make this sentence sound friendlier: '{x}'", "phrase"),
+    ("Write a short conversation that starts with: '{x}'", "phrase"),
+    ("What is {a} minus {b}?", "math"),
+    ("What is {a} squared plus {b}?", "math"),
+    ("A box holds {a} pencils. How many pencils are in {b} boxes?", "math"),
+]
+
 THINGS = """photosynthesis; the water cycle; gravity; black holes; the moon; volcanoes; earthquakes; rainbows;
 the internet; electricity; magnets; the human heart; the brain; DNA; vaccines; bacteria; viruses;
 climate change; recycling; solar energy; wind power; nuclear energy; the ocean; coral reefs; rainforests;
@@ -148,34 +198,43 @@ def _heldout_subject(subject: str, percent: int) -> bool:
     return int.from_bytes(hashlib.sha256(subject.encode()).digest()[:4], "little") % 100 < percent
 
 
-def build_prompts(seed: int = 0, heldout_percent: int = 12) -> tuple[list[str], list[str]]:
-    """(train, held-out) prompt lists, deterministic for a seed; no held-out subject occurs in train."""
-    rng = random.Random(seed)
+def _crossed(templates: list[tuple[str, str]], rng: random.Random, heldout_percent: int) -> tuple[set[str], set[str]]:
+    """(train, held-out) prompts of templates crossed with their subject lists, split by subject."""
     train: set[str] = set()
-    heldout: set[str] = set(EXTRA_HELDOUT)
-    for template, kind in TEMPLATES:
+    heldout: set[str] = set()
+    for template, kind in templates:
         if kind == "math":
             for _ in range(24):
                 a, b = rng.randint(2, 99), rng.randint(2, 60)
-                subject = f"{a}|{b}"
                 text = template.format(a=a, b=b)
-                (heldout if _heldout_subject(subject, heldout_percent) else train).add(text)
+                (heldout if _heldout_subject(f"{a}|{b}", heldout_percent) else train).add(text)
             continue
         if kind == "pair":
             items = _clean(PAIRS)
             for i in range(0, len(items) - 1, 2):
                 x, y = items[i], items[i + 1]
-                text = template.format(x=x, y=y)
-                (heldout if _heldout_subject(x, heldout_percent) else train).add(text)
+                (heldout if _heldout_subject(x, heldout_percent) else train).add(template.format(x=x, y=y))
             continue
         for subject in _clean(KINDS[kind]):
-            text = template.format(x=subject)
-            (heldout if _heldout_subject(subject, heldout_percent) else train).add(text)
+            (heldout if _heldout_subject(subject, heldout_percent) else train).add(template.format(x=subject))
+    return train, heldout
+
+
+def build_prompts(seed: int = 0, heldout_percent: int = 12) -> tuple[list[str], list[str]]:
+    """(train, held-out) prompt lists, deterministic for a seed; no held-out subject occurs in train.
+
+    Train is the TEMPLATES prompts (shuffled) followed by the MORE_TEMPLATES ones (shuffled).
+    """
+    rng = random.Random(seed)
+    train, heldout = _crossed(TEMPLATES, rng, heldout_percent)
+    heldout |= set(EXTRA_HELDOUT)
     train_list, heldout_list = sorted(train - heldout), sorted(heldout)
     rng.shuffle(train_list)
     rng.shuffle(heldout_list)
-    return train_list, heldout_list
-
+    more, _ = _crossed(MORE_TEMPLATES, rng, heldout_percent)  # held-out subjects' prompts are dropped
+    more_list = sorted(more - heldout - set(train_list))
+    rng.shuffle(more_list)
+    return train_list + more_list, heldout_list
 
 if __name__ == "__main__":
     tr, ho = build_prompts()
