@@ -24,6 +24,7 @@ import torch
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelConfigError
 from sglite.srt.distributed.bootstrap import simulate_rank
+from sglite.srt.layers.hot_vocab_head import load_token_map
 from sglite.srt.managers.base_model_worker import build_rank_report, format_rank_report
 from sglite.srt.mem_cache.kv_cache_dtype import model_runtime_dtype
 from sglite.srt.mem_cache.pool_plan import MemoryPlanError, MemoryPoolConfig
@@ -141,18 +142,21 @@ def _block_draft_head_params(draft: ModelConfig) -> int:
 
 
 def estimate_draft_weight_bytes_per_rank(
-    draft: ModelConfig, algorithm: str, tp_size: int, attn_tp_size: int, *, dtype: Optional[torch.dtype] = None
+    draft: ModelConfig, algorithm: str, tp_size: int, attn_tp_size: int, *, dtype: Optional[torch.dtype] = None,
+    hot_vocab_size: int = 0,
 ) -> int:
     """Draft weights on one rank, in the runtime ``dtype`` (a draft runs in its target's under --dtype auto).
 
     DFLASH/DSPARK: its layers plus ``fc`` and DSPARK's Markov / confidence heads (replicated); the
     embedding and LM head are the target's (a checkpoint's copies are dropped at load, as speculators
-    and SGLang do), so they are not counted twice. EAGLE/STANDALONE are whole small models.
+    and SGLang do), so they are not counted twice; a --speculative-token-map of ``hot_vocab_size`` ids
+    adds its replicated head rows ``hot_vocab_size * H``. EAGLE/STANDALONE are whole small models.
     """
     if algorithm in ("DFLASH", "DSPARK"):
         dense_b, _ = _weight_elem_bytes(draft, dtype)
         layers = estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=False, dtype=dtype)
-        return layers + int(_block_draft_head_params(draft) * dense_b)
+        replicated = _block_draft_head_params(draft) + hot_vocab_size * draft.hidden_size
+        return layers + int(replicated * dense_b)
     return estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=True, dtype=dtype)
 
 
@@ -240,6 +244,8 @@ def plan_rank(
     with scoped(parallel=par):
         simulate_rank(par, rank)
         aux = resolve_spec_aux_hidden_state(sa, model_config, draft_model_config=draft_model_config, model_dtype=model_dtype)
+        # The draft runner's own check of the map (a bad file is refused here as at start-up).
+        hot_vocab_size = load_token_map(sa.speculative_token_map, model_config.vocab_size).numel() if sa.speculative_token_map else 0
         device = sa.resolved_device()
         if device == "cuda":
             if device_memory_bytes is None:
@@ -248,7 +254,8 @@ def plan_rank(
                 weights_bytes = estimate_weight_bytes_per_rank(model_config, sa.tp_size, par.attn_tp_size, dtype=model_dtype)
                 if aux.has_draft:
                     weights_bytes += estimate_draft_weight_bytes_per_rank(
-                        aux.draft_model_config, aux.algorithm, sa.tp_size, par.attn_tp_size, dtype=model_dtype
+                        aux.draft_model_config, aux.algorithm, sa.tp_size, par.attn_tp_size, dtype=model_dtype,
+                        hot_vocab_size=hot_vocab_size,
                     )
         budget = KVBudgetInputs()
         if device == "cuda":
@@ -324,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-dspark-block-size", type=int)
     p.add_argument("--speculative-disable-by-batch-size", type=int,
                    help="DFLASH/DSPARK: batches this large skip the draft (plans the deferred draft context buffer)")
+    p.add_argument("--speculative-token-map", default=None,
+                   help="hot token ids of the draft head (.pt); their replicated rows count as draft weights")
     p.add_argument("--speculative-adaptive", action="store_true", default=None,
                    help="DFLASH/DSPARK: draft only while it pays (plans the deferred draft context buffer)")
     p.add_argument("--tp-size", type=int, default=1)
@@ -401,6 +410,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             speculative_dspark_block_size=a.speculative_dspark_block_size,
             speculative_disable_by_batch_size=a.speculative_disable_by_batch_size,
             speculative_adaptive=a.speculative_adaptive,
+            speculative_token_map=a.speculative_token_map,
             tp_size=a.tp_size, dp_size=a.dp_size, enable_dp_attention=a.enable_dp_attention,
             attn_cp_size=a.attn_cp_size, mem_fraction_static=a.mem_fraction_static, device=a.device,
             cpu_kv_cache_budget_mb=a.cpu_kv_cache_budget_mb, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,

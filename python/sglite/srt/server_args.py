@@ -151,6 +151,11 @@ class ServerArgs:
         "(tokens per second, with a small margin; the path not taken is still probed now and then). Greedy output is "
         "unchanged. Bare flag = on; 'false' = off. Default: on for the embedded default model pair, off otherwise"
     )
+    speculative_token_map: Optional[str] = _opt(
+        "DFLASH/DSPARK: a torch.save file of hot token ids (SGLang's FR-Spec map); the draft proposes only those "
+        "tokens, through just their rows of the LM head. Output is unchanged. Default: the full vocabulary "
+        "(the embedded default pair ships a map)"
+    )
     speculative_draft_kv_cache_dtype: Optional[str] = _opt("Draft KV cache dtype; default: --kv-cache-dtype", None, KV_CACHE_DTYPES)
     speculative_draft_attention_backend: Optional[str] = _opt("Draft attention backend; default: --attention-backend", None, ATTENTION_BACKENDS)
     # SGLang selects the DSPARK verify mode with the environment variable SGLANG_RAGGED_VERIFY_MODE;
@@ -268,6 +273,12 @@ class ServerArgs:
             _require(
                 self.one_rank_per_scheduler(),
                 "--speculative-adaptive needs --tp-size 1 and --attn-cp-size 1 (use --speculative-disable-by-batch-size)",
+            )
+        if self.speculative_token_map is not None:
+            _require(block_draft, "--speculative-token-map needs --speculative-algorithm DFLASH or DSPARK")
+            _require(
+                os.path.isfile(self.speculative_token_map),
+                f"--speculative-token-map {self.speculative_token_map}: no such file (sglite downloads nothing)",
             )
         if self.speculative_num_draft_tokens is not None:
             _require(self.speculative_num_draft_tokens >= 1, "--speculative-num-draft-tokens must be >= 1")

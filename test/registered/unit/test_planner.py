@@ -310,14 +310,14 @@ def tiny_pair(tmp_path_factory):
     return target, build_tiny_dflash_draft(str(d / "dflash"), target, seed=1)
 
 
-def _runtime_error(target_dir, algo, draft_dir) -> str:
+def _runtime_error(target_dir, algo, draft_dir, **flags) -> str:
     """What starting a speculative worker on one CPU rank raises."""
     from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
     from sglite.srt.runtime_context import ParallelState, scoped
     from sglite.srt.speculative.dflash_worker import create_dflash_worker
 
     args = ServerArgs(model_path=target_dir, speculative_algorithm=algo, speculative_draft_model_path=draft_dir,
-                      dtype="float32", device="cpu", cpu_kv_cache_budget_mb=4, context_length=64).validate()
+                      dtype="float32", device="cpu", cpu_kv_cache_budget_mb=4, context_length=64, **flags).validate()
     with scoped(parallel=ParallelState(tp_size=1)):
         try:
             with pytest.raises(ValueError) as e:
@@ -327,9 +327,9 @@ def _runtime_error(target_dir, algo, draft_dir) -> str:
     return str(e.value)
 
 
-def _plan_tiny(capsys, target_dir, algo, draft_dir) -> str:
+def _plan_tiny(capsys, target_dir, algo, draft_dir, *argv) -> str:
     assert main(["--model-path", target_dir, "--device", "cpu", "--speculative-algorithm", algo,
-                 "--speculative-draft-model-path", draft_dir]) == 1
+                 "--speculative-draft-model-path", draft_dir, *argv]) == 1
     return capsys.readouterr().err.strip().removeprefix("sglite plan: error: ")
 
 
@@ -352,6 +352,43 @@ def test_plan_refuses_a_nonsense_draft_dtype_as_the_runtime_does(capsys, tiny_pa
     planned = _plan_tiny(capsys, target, "DFLASH", str(bad))
     assert planned == _runtime_error(target, "DFLASH", str(bad))
     assert "'float99' is not a known weight dtype" in planned
+
+
+@pytest.mark.parametrize("ids", [[3, 70000], [5, 5]], ids=["out_of_vocab", "repeated"])
+def test_plan_refuses_a_bad_token_map_as_the_runtime_does(capsys, tmp_path, ids):
+    import torch
+
+    from sglite.testing.tiny_dflash import build_tiny_dflash_draft, build_tiny_target
+
+    target = build_tiny_target(str(tmp_path / "target"), seed=0)
+    dflash = build_tiny_dflash_draft(str(tmp_path / "dflash"), target, seed=1)
+    capsys.readouterr()  # the builders' progress bars
+    path = tmp_path / "map.pt"
+    torch.save(torch.tensor(ids), path)
+    planned = _plan_tiny(capsys, target, "DFLASH", dflash, "--speculative-token-map", str(path))
+    assert planned == _runtime_error(target, "DFLASH", dflash, speculative_token_map=str(path))
+    assert planned.startswith(f"--speculative-token-map {path}")
+
+
+def test_draft_weight_estimate_counts_the_token_maps_head(one_rank):
+    """A token map's replicated head rows are draft weights: the estimate grows by what the hot head holds."""
+    import torch
+
+    from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead
+    from sglite.srt.models.dflash import DFlashDraftModel
+    from sglite.srt.planner import estimate_draft_weight_bytes_per_rank
+
+    cfg = ModelConfig.from_dict(_raw("qwen3-8b-dflash-b16.json"), path="<d>")
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg, params_dtype=torch.bfloat16)
+        head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, params_dtype=torch.bfloat16)
+        model._target = (None, head, None)  # only the head is read
+        model.restrict_draft_vocab(torch.arange(32768))
+    hot = sum(p.numel() * p.element_size() for p in model.hot_head.parameters())
+    assert hot == 32768 * cfg.hidden_size * 2
+    assert estimate_draft_weight_bytes_per_rank(cfg, "DFLASH", 1, 1, hot_vocab_size=32768) == (
+        estimate_draft_weight_bytes_per_rank(cfg, "DFLASH", 1, 1) + hot
+    )
 
 
 @pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])

@@ -89,6 +89,14 @@ BAD = {
         "--speculative-adaptive",
         "--tp-size 1",
     ),
+    "token_map_without_block_draft": (
+        ["--model-path", "/m", "--speculative-token-map", "/etc/hostname"], "--speculative-token-map", "DFLASH or DSPARK"
+    ),
+    "token_map_missing_file": (
+        ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d", "--speculative-token-map", "/no/map.pt"],
+        "--speculative-token-map",
+        "no such file",
+    ),
     "adaptive_not_a_bool": (["--speculative-adaptive", "maybe"], "--speculative-adaptive", "true or false"),
     "mixed_chunk_not_a_bool": (["--enable-mixed-chunk", "sometimes"], "--enable-mixed-chunk", "true or false"),
     "mixed_chunk_prefill_below_page": (

@@ -19,6 +19,7 @@ from sglite.srt.distributed.bootstrap import init_parallel_runtime
 from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_dp_peer_group, get_tp_group
 from sglite.srt.layers.attention.registry import create_attention_backend
 from sglite.srt.layers.cpu_gemm import PackChoice, pack_weights_for_cpu
+from sglite.srt.layers.hot_vocab_head import load_token_map
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.layers.sampler import Sampler
 from sglite.srt.mem_cache.kv_cache_dtype import model_runtime_dtype
@@ -101,17 +102,21 @@ class ModelRunner:
         self.model = load_model(
             self.model_config, path, self.device, self.dtype, show_progress=self.tp_rank == 0 and not is_draft
         )
+        if is_draft and hasattr(self.model, "attach_target_head"):
+            target_model = target_runner.model
+            self.model.attach_target_head(
+                target_model.get_embed_tokens(), target_model.get_lm_head(), target_model.logits_processor
+            )
+            if server_args.speculative_token_map is not None:  # before packing: the hot head packs with the draft
+                self.model.restrict_draft_vocab(
+                    load_token_map(server_args.speculative_token_map, target_runner.model_config.vocab_size)
+                )
         # The CPU pack layout is a fact of the host, timed once on the target's weights: a draft (too few
         # layers to time past the caches) packs like its target.
         self.cpu_pack: Optional[PackChoice] = None
         if self.device.type == "cpu":
             target_pack = target_runner.cpu_pack if is_draft else None
             self.cpu_pack = pack_weights_for_cpu(self.model, target_pack.layout if target_pack else "auto")
-        if is_draft and hasattr(self.model, "attach_target_head"):
-            target_model = target_runner.model
-            self.model.attach_target_head(
-                target_model.get_embed_tokens(), target_model.get_lm_head(), target_model.logits_processor
-            )
 
         # 4. What the target captures for its draft, and the draft's exact KV price (live attn_tp width).
         # 5. The pool plan, then the pools (a draft reuses the target's plan, allocator and request table).

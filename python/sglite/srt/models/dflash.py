@@ -20,6 +20,7 @@ from torch import nn
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig
 from sglite.srt.distributed.parallel_state import GroupCoordinator
+from sglite.srt.layers.hot_vocab_head import HotVocabHead
 from sglite.srt.layers.layernorm import RMSNorm
 from sglite.srt.layers.linear import ReplicatedLinear
 from sglite.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -136,6 +137,8 @@ class DFlashDraftModel(nn.Module):
         self.final_logit_softcapping = float(softcap) if softcap else None
         # The target's modules, attached by the worker; kept out of this module's parameters.
         self._target: Optional[tuple[VocabParallelEmbedding, ParallelLMHead, LogitsProcessor]] = None
+        # --speculative-token-map: drafts come from these rows of the target head only (restrict_draft_vocab).
+        self.hot_head: Optional[HotVocabHead] = None
 
     # ------------------------------------------------------------------ target head
     def attach_target_head(
@@ -166,15 +169,24 @@ class DFlashDraftModel(nn.Module):
         """The (target's) LM head draft rows are projected with."""
         return self._target_modules()[1]
 
+    def restrict_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft from ``token_ids`` only: logits come from those rows of the (attached) target head."""
+        self.hot_head = HotVocabHead(self._target_modules()[1], token_ids)
+
+    def to_vocab_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Vocabulary ids of argmax indices over ``compute_logits`` columns (identity without a token map)."""
+        return index if self.hot_head is None else self.hot_head.to_vocab_ids(index)
+
     def embed_block(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Target embedding of block tokens, times the checkpoint's input_embedding_scale."""
         emb = self._target_modules()[0](input_ids)
         return emb * self.input_embedding_scale if self.input_embedding_scale != 1.0 else emb
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 full-vocab logits of draft rows through the target LM head (gathered under TP)."""
+        """fp32 logits of draft rows: the full vocabulary through the target LM head (gathered under TP), or
+        the token map's columns through the hot head (``to_vocab_ids`` maps columns back to token ids)."""
         _, lm_head, proc = self._target_modules()
-        logits = proc.compute_logits(hidden, lm_head)
+        logits = proc.compute_logits(hidden, lm_head) if self.hot_head is None else self.hot_head(hidden)
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier
         if self.final_logit_softcapping is not None:
@@ -231,7 +243,7 @@ class DFlashDraftModel(nn.Module):
         """Drafts: argmax of the target LM head over block rows 1..B-1 (0..B-1 with sample_from_anchor)."""
         logits = out.next_token_logits.reshape(forward_batch.batch_size, block_size, -1)
         first = 0 if self.draft_spec.sample_from_anchor else 1
-        return DraftProposal(ids=logits[:, first:].argmax(dim=-1))
+        return DraftProposal(ids=self.to_vocab_ids(logits[:, first:].argmax(dim=-1)))
 
     # ------------------------------------------------------------------ weights
     # checkpoint name fragment -> (fused parameter fragment, shard id): the draft layers fuse q/k/v and

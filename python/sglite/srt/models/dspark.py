@@ -134,7 +134,9 @@ class DSparkDraftModel(DFlashDraftModel):
                 continue  # DFlash convention: slot 0 is the anchor; it only advances the rnn state
             if self.confidence_head is not None:
                 conf.append(self.confidence_logits(hidden[:, k], emb))
-            prev = torch.argmax(logits[:, k] + bias, dim=-1)
+            if self.hot_head is not None:  # --speculative-token-map: logits cover the map's columns only
+                bias = bias[:, self.hot_head.token_ids]
+            prev = self.to_vocab_ids(torch.argmax(logits[:, k] + bias, dim=-1))
             drafts.append(prev)
         return DraftProposal(ids=torch.stack(drafts, dim=1), confidence_logits=torch.stack(conf, dim=1) if conf else None)
 

@@ -282,8 +282,9 @@ def test_sampling_temperature_1_matches_target_distribution(trained, tmp_path, a
         assert min(verified) < worker.num_proposed_drafts  # the cap cut some blocks
 
 
-def _tp_rank_main(rank: int, world_size: int, init_method: str, target_dir: str, draft_dir: str, prompts, max_new):
-    args = spec_args(target_dir, draft_dir, tp_size=world_size)
+def _tp_rank_main(rank: int, world_size: int, init_method: str, target_dir: str, draft_dir: str, prompts, max_new,
+                  token_map=None):
+    args = spec_args(target_dir, draft_dir, tp_size=world_size, speculative_token_map=token_map)
     worker = create_dflash_worker(args, rank=rank, world_size=world_size, dist_init_method=init_method)
     # Greedy requests, then the same prompts sampled at temperature 1 (ranks must agree on every draw).
     params = [greedy(max_new)] * len(prompts)
@@ -299,13 +300,17 @@ def _tp_rank_main(rank: int, world_size: int, init_method: str, target_dir: str,
 
 
 @pytest.mark.timeout(300)
-def test_greedy_tp2_matches_reference(trained):
+@pytest.mark.parametrize("token_map", [False, True], ids=["full_head", "shuffled_full_token_map"])
+def test_greedy_tp2_matches_reference(trained, tmp_path, token_map):
+    """With a token map of the whole vocabulary in shuffled order, every rank gathers the hot head's rows
+    from both vocabulary shards and maps columns back to ids: the drafts, so every step, stay the reference's."""
     from sglite.srt.distributed.local_launch import run_local_ranks
 
     target_dir, tr, target, draft = trained
     prompts = [tr.prompts[1], tr.prompts[2] + target_greedy(target, tr.prompts[2], 2)] + random_prompts(1, seed=3)
     max_new = 17
-    results = run_local_ranks(_tp_rank_main, 2, target_dir, tr.draft_dir, prompts, max_new, timeout_s=240)
+    map_path = shuffled_token_map(tmp_path, target.config.vocab_size) if token_map else None
+    results = run_local_ranks(_tp_rank_main, 2, target_dir, tr.draft_dir, prompts, max_new, map_path, timeout_s=240)
     for res in results:
         assert res["draft_local_heads"] == (2, 1) and res["draft_pool_heads"] == 1  # sharded over 2 ranks
         for i, p in enumerate(prompts):
@@ -966,3 +971,72 @@ def test_temperature_1e_39_with_dflash_is_greedy(short_context, caplog):
     assert run.ids["r0"] == run.ids["r1"] and len(run.ids["r0"]) == 12
     decode = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
     assert decode and all(re.search(r", accept len: \d+\.\d\d, gen throughput", m) for m in decode), decode
+
+
+def shuffled_token_map(tmp_path, vocab_size, keep=None) -> str:
+    """A --speculative-token-map file: ``keep`` (default: every id) in a seeded shuffled order."""
+    ids = torch.arange(vocab_size) if keep is None else torch.tensor(sorted(keep))
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(5))]
+    path = tmp_path / f"token_map_{ids.numel()}.pt"
+    torch.save(ids, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("algo", ["DFLASH", "DSPARK"])
+def test_token_map_of_the_whole_vocab_drafts_exactly_as_without(trained, tmp_path, algo):
+    """A shuffled full-vocabulary map changes only the column order of the draft head: same drafts, same steps."""
+    from sglite.testing.tiny_dflash import build_tiny_dspark_draft
+
+    target_dir, tr, target, _ = trained
+    draft_dir = tr.draft_dir
+    if algo == "DSPARK":  # the Markov bias must be gathered to the map's columns too
+        draft_dir = build_tiny_dspark_draft(str(tmp_path / "dspark"), tr.draft_dir, markov_rank=8, markov_scale=1.0)
+    prompts = [tr.prompts[4], tr.prompts[5]] + random_prompts(1, seed=13)
+    max_new = 19
+    runs, drafts = [], []
+    token_map = shuffled_token_map(tmp_path, target.config.vocab_size)
+    for flags in ({}, {"speculative_token_map": token_map}):
+        with spec_scheduler(target_dir, draft_dir, speculative_algorithm=algo, **flags) as (sched, worker):
+            if flags:
+                assert worker.draft_model.hot_head.num_tokens == target.config.vocab_size
+            drafts.append(record_drafts(worker))
+            runs.append(generate(sched, prompts, [greedy(max_new)] * len(prompts)))
+    full, mapped = runs
+    assert drafts[0] and drafts[1] == drafts[0]
+    assert mapped.ids == full.ids and mapped.steps == full.steps
+    if algo == "DFLASH":  # the tiny draft was trained as DFLASH; the Markov-biased one rarely hits
+        assert any(max(steps[1:]) > 1 for steps in mapped.steps.values())
+
+
+def record_drafts(worker) -> list[list[int]]:
+    """Every proposal the worker's draft makes from now on (flattened per step), appended to the returned list."""
+    seen: list[list[int]] = []
+    propose = worker.draft_model.propose_drafts
+
+    def recording(*a, **kw):
+        out = propose(*a, **kw)
+        seen.append(out.ids.reshape(-1).tolist())
+        return out
+
+    worker.draft_model.propose_drafts = recording
+    return seen
+
+
+def test_partial_token_map_drafts_only_its_tokens_and_stays_lossless(trained, tmp_path):
+    """Half the vocabulary: every draft is a mapped id, and greedy output is still the target's own."""
+    target_dir, tr, target, draft = trained
+    vocab = target.config.vocab_size
+    prompts = [tr.prompts[6], tr.prompts[7]] + random_prompts(2, seed=17, min_len=3, max_len=12)
+    max_new = 21
+    # The reference's own greedy tokens stay in the map, so the draft keeps proposing accepted tokens.
+    keep = {t for p in prompts for t in target_greedy(target, p, max_new)}
+    keep |= set(torch.randperm(vocab, generator=torch.Generator().manual_seed(3))[: vocab // 2].tolist())
+    token_map = shuffled_token_map(tmp_path, vocab, keep)
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_token_map=token_map) as (sched, worker):
+        assert worker.draft_model.hot_head.num_tokens == len(keep) < vocab
+        drafted = record_drafts(worker)
+        run = generate(sched, prompts, [greedy(max_new)] * len(prompts))
+    assert drafted and {t for step in drafted for t in step} <= keep
+    for i, p in enumerate(prompts):
+        assert run.ids[f"r{i}"] == target_greedy(target, p, max_new)
+    assert any(max(steps[1:]) > 1 for steps in run.steps.values())
