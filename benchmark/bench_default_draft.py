@@ -84,6 +84,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--block-size", type=int, default=None, help="default: the draft's")
+    parser.add_argument("--speculative-token-map", default=None,
+                        help="draft only these token ids (a .pt file; default: the full vocabulary)")
     parser.add_argument("--skip-plain", action="store_true", help="skip the lossless check against a plain engine")
     parser.add_argument("--transformers-prompts", type=int, default=0,
                         help="also compare the first N greedy outputs with transformers on the same GGUF")
@@ -93,12 +95,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     import sglite
 
     model_path = args.model_path or default_model_path()
-    result: dict = {"model_path": model_path, "draft_path": args.draft_path, "max_new_tokens": args.max_new_tokens}
+    result: dict = {"model_path": model_path, "draft_path": args.draft_path, "max_new_tokens": args.max_new_tokens,
+                    "speculative_token_map": args.speculative_token_map}
     engine = sglite.Engine(
         model_path=model_path,
         speculative_algorithm="DFLASH",
         speculative_draft_model_path=args.draft_path,
         speculative_num_draft_tokens=args.block_size,
+        speculative_token_map=args.speculative_token_map,
         device="cpu",
         log_level="warning",
     )

@@ -208,7 +208,8 @@ def spec_step(args: argparse.Namespace) -> None:
 
     sa = ServerArgs(model_path=args.model_path or default_model_path(), speculative_algorithm="DFLASH",
                     speculative_draft_model_path=args.draft_model_path or DEFAULT_DRAFT_DIR, device="cpu",
-                    enable_torch_compile=args.enable_torch_compile).validate()
+                    enable_torch_compile=args.enable_torch_compile,
+                    speculative_token_map=args.speculative_token_map).validate()
     totals: dict[str, list[float]] = {}
 
     def timed(obj, name: str, label: str) -> None:
@@ -312,6 +313,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     t.add_argument("--model-path", default=None, help="target; default: the default model's GGUF")
     t.add_argument("--draft-model-path", default=None, help="default: the default draft")
     t.add_argument("--enable-torch-compile", action="store_true")
+    t.add_argument("--speculative-token-map", default=None, help="draft head over these token ids only (.pt)")
     t.add_argument("--num-prompts", type=int, default=3)
     t.add_argument("--output-len", type=int, default=48)
     d = sub.add_parser("spec-disable")

@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 sys.path.insert(0, str(REPO_ROOT / "python"))
 
 from default_draft_prompts import build_prompts  # noqa: E402
+from sglite.srt.default_model import DEFAULT_DRAFT_TOKEN_MAP_FILE  # noqa: E402
 from train_default_pair import (  # noqa: E402
     DraftData,
     cosine_lr,
@@ -72,7 +73,9 @@ class DraftConfig:
 
     out_dir: str = str(DRAFT_DIR)
     work_dir: str = "/tmp/sglite_default_draft"
-    stage: str = "all"  # "all" | "data" (generate the reply chunks into work_dir and stop)
+    # "all" | "data" (generate the reply chunks into work_dir and stop) | "token-map" (write out_dir's
+    # token map from the reply chunks and stop)
+    stage: str = "all"
     seed: int = 0
     num_threads: int = 2
     # data
@@ -132,6 +135,9 @@ class DraftConfig:
     # The stored weights' dtype. sglite runs a draft in its target's dtype (fp32 here), so bf16 storage only
     # halves the file; greedy speculation stays exact because the target verifies every token.
     save_dtype: str = "bfloat16"
+    # The --speculative-token-map shipped beside the draft (TOKEN_MAP_FILE): the most frequent reply tokens of
+    # the training chunks. 0 writes none.
+    token_map_size: int = 8192
 
 
 def smollm2_gguf() -> str:
@@ -209,6 +215,29 @@ def generate_chunk(cfg: DraftConfig, tokenizer, model, prompts: list[str], layer
         data.prompt_lens.append(p)
         data.valid_lens.append(valid)
     return data
+
+
+TOKEN_MAP_FILE = DEFAULT_DRAFT_TOKEN_MAP_FILE  # the file sglite serve looks for beside the bundled draft
+
+
+def hot_token_ids(data: DraftData, size: int) -> torch.Tensor:
+    """The ``size`` most frequent reply tokens (labels, not prompts) of ``data``, most frequent first (ties: lower id)."""
+    replies = torch.cat([tok[p:v] for tok, p, v in zip(data.tokens, data.prompt_lens, data.valid_lens)])
+    counts = torch.bincount(replies.long())
+    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))
+    return torch.tensor([t for t in order if counts[t] > 0][:size], dtype=torch.int64)
+
+
+def write_token_map(cfg: DraftConfig, data: DraftData, out: Path) -> Optional[dict]:
+    """Save the token map of ``data`` into ``out``; its size and reply-token coverage (None with --token-map-size 0)."""
+    if cfg.token_map_size <= 0:
+        return None
+    ids = hot_token_ids(data, cfg.token_map_size)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(ids, out / TOKEN_MAP_FILE)
+    replies = torch.cat([tok[p:v] for tok, p, v in zip(data.tokens, data.prompt_lens, data.valid_lens)])
+    covered = torch.isin(replies, ids).float().mean().item()
+    return {"size": int(ids.numel()), "training_reply_tokens_covered": round(covered, 5)}
 
 
 def chunk_path(cfg: DraftConfig, work: Path, k: int) -> Path:
@@ -502,9 +531,9 @@ def parse_args(argv: Optional[list[str]] = None) -> DraftConfig:
 def main(argv: Optional[list[str]] = None) -> None:
     """Generate the self-distillation data and/or train and save the draft; print a JSON summary."""
     cfg = parse_args(argv)
-    if cfg.stage not in ("all", "data"):
-        raise SystemExit(f"--stage must be all or data, got {cfg.stage!r}")
-    if cfg.stage == "all" and cfg.chunk_stride != 1:
+    if cfg.stage not in ("all", "data", "token-map"):
+        raise SystemExit(f"--stage must be all, data or token-map, got {cfg.stage!r}")
+    if cfg.stage != "data" and cfg.chunk_stride != 1:
         raise SystemExit("--chunk-stride splits the data stage only")
     if cfg.stage == "all":
         check_training_flags(cfg)
@@ -525,6 +554,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         chunks = [with_finals(c, f) for c, f in zip(chunks, finals)]
     eval_data = chunks[cfg.eval_chunk] if 0 <= cfg.eval_chunk < len(chunks) else None
     data = merge_chunks([c for k, c in enumerate(chunks) if k != cfg.eval_chunk])
+    if cfg.stage == "token-map":
+        print(json.dumps(write_token_map(cfg, data, Path(cfg.out_dir))), flush=True)
+        return
     width = len(layer_ids) * target.config.hidden_size
     scale = feature_rms_scale(data, width) if cfg.feature_scale else None
     if scale is not None:
@@ -551,6 +583,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     draft.to(getattr(torch, cfg.save_dtype))
     draft.config.dtype = cfg.save_dtype
     draft.save_pretrained(out, safe_serialization=True)
+    token_map = write_token_map(cfg, data, out)
     summary = {
         "config": dataclasses.asdict(cfg),
         "torch": torch.__version__,
@@ -561,6 +594,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "restricted_vocab": vocab.numel(),
         "target_layer_ids": layer_ids,
         "draft_params": sum(p.numel() for p in draft.parameters()),
+        "token_map": token_map,
         "train": stats,
         "seconds": {"data": round(t_data - t0, 1), "total": round(time.perf_counter() - t0, 1)},
         "sha256": {p.name: file_sha256(p) for p in sorted(out.iterdir()) if p.is_file()},

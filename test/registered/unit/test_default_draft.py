@@ -53,3 +53,13 @@ def test_block_forward_equals_dflash_package(target, one_rank):
     anchors = [504, 1280]
     out, _ = draft_block_forward(ours, feats, anchors)
     assert_block_equals_reference(out, ref, target, feats, anchors, logits_atol=2e-4)
+
+
+def test_shipped_token_map_is_a_valid_map_of_the_targets_vocab():
+    from sglite.srt.default_model import DEFAULT_DRAFT_TOKEN_MAP_FILE
+    from sglite.srt.layers.hot_vocab_head import load_token_map
+
+    ids = load_token_map(os.path.join(DEFAULT_DRAFT_DIR, DEFAULT_DRAFT_TOKEN_MAP_FILE), 49152)
+    assert ids.numel() == 8192
+    tok = load_tokenizer(default_model_path())
+    assert tok.convert_tokens_to_ids("<|im_end|>") in ids.tolist()  # a reply's stop is always draftable

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import sglite.launch_server as ls
 import sglite.srt.default_model as dm
@@ -86,6 +87,23 @@ def test_adaptive_default_only_for_the_bundled_pair(assets):
     assert mine.speculative_adaptive is None
     asked = ServerArgs(speculative_algorithm="DFLASH", speculative_draft_model_path="/d", speculative_adaptive=True)
     assert "drafting only while it pays (--speculative-adaptive)" in dm.describe_model_choice(asked, dm.resolve_default_model(asked))
+
+
+def test_the_bundled_drafts_token_map_comes_with_it(assets, tmp_path):
+    pkg, draft = assets
+    _install_fake_wheel(pkg)
+    _fake_ckpt(draft, ["DFlashDraftModel"])
+    assert dm.resolve_default_model(ServerArgs()).speculative_token_map is None  # none shipped: full head
+    torch.save(torch.arange(7), draft / dm.DEFAULT_DRAFT_TOKEN_MAP_FILE)
+    args = dm.resolve_default_model(ServerArgs()).validate()
+    assert args.speculative_token_map == str(draft / dm.DEFAULT_DRAFT_TOKEN_MAP_FILE)
+    assert "token map" in dm.describe_model_choice(ServerArgs(), args)
+    # A user's own map wins; a user's own draft gets none by default.
+    mine = tmp_path / "mine.pt"
+    torch.save(torch.arange(3), mine)
+    assert dm.resolve_default_model(ServerArgs(speculative_token_map=str(mine))).speculative_token_map == str(mine)
+    theirs = dm.resolve_default_model(ServerArgs(speculative_algorithm="DFLASH", speculative_draft_model_path="/d"))
+    assert theirs.speculative_token_map is None
 
 
 def test_explicit_speculative_flags_win_over_bundled_draft(assets):

@@ -146,3 +146,16 @@ def test_bad_training_flags_are_refused_before_the_reply_stage(script, monkeypat
         script.main(["--autocast", "fp16"])
     with pytest.raises(SystemExit, match="--loss must be distill or ce"):
         script.main(["--loss", "mse"])
+
+
+def test_token_map_keeps_the_most_frequent_reply_tokens(script, tmp_path):
+    """Reply tokens only (prompts are not drafted), most frequent first, ties by id; coverage is reported."""
+    tokens = [torch.tensor([9, 9, 9, 1, 1, 2, 2, 5]), torch.tensor([9, 3, 3, 4, 4, 4, 0])]
+    data = script.DraftData(tokens=tokens, features=[None, None], prompt_lens=[3, 1], valid_lens=[8, 6])
+    # reply tokens: [1, 1, 2, 2, 5] and [3, 3, 4, 4, 4]
+    assert script.hot_token_ids(data, 3).tolist() == [4, 1, 2]
+    cfg = script.DraftConfig(token_map_size=3)
+    info = script.write_token_map(cfg, data, tmp_path)
+    assert torch.load(tmp_path / script.TOKEN_MAP_FILE).tolist() == [4, 1, 2]
+    assert info == {"size": 3, "training_reply_tokens_covered": 0.7}
+    assert script.write_token_map(script.DraftConfig(token_map_size=0), data, tmp_path / "none") is None
