@@ -220,10 +220,14 @@ def generate_chunk(cfg: DraftConfig, tokenizer, model, prompts: list[str], layer
 TOKEN_MAP_FILE = DEFAULT_DRAFT_TOKEN_MAP_FILE  # the file sglite serve looks for beside the bundled draft
 
 
+def reply_tokens(data: DraftData) -> torch.Tensor:
+    """Every reply token of ``data`` (the labels; prompts excluded), concatenated."""
+    return torch.cat([tok[p:v] for tok, p, v in zip(data.tokens, data.prompt_lens, data.valid_lens)])
+
+
 def hot_token_ids(data: DraftData, size: int) -> torch.Tensor:
     """The ``size`` most frequent reply tokens (labels, not prompts) of ``data``, most frequent first (ties: lower id)."""
-    replies = torch.cat([tok[p:v] for tok, p, v in zip(data.tokens, data.prompt_lens, data.valid_lens)])
-    counts = torch.bincount(replies.long())
+    counts = torch.bincount(reply_tokens(data).long())
     order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))
     return torch.tensor([t for t in order if counts[t] > 0][:size], dtype=torch.int64)
 
@@ -235,8 +239,7 @@ def write_token_map(cfg: DraftConfig, data: DraftData, out: Path) -> Optional[di
     ids = hot_token_ids(data, cfg.token_map_size)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(ids, out / TOKEN_MAP_FILE)
-    replies = torch.cat([tok[p:v] for tok, p, v in zip(data.tokens, data.prompt_lens, data.valid_lens)])
-    covered = torch.isin(replies, ids).float().mean().item()
+    covered = torch.isin(reply_tokens(data), ids).float().mean().item()
     return {"size": int(ids.numel()), "training_reply_tokens_covered": round(covered, 5)}
 
 
