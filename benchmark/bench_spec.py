@@ -53,11 +53,14 @@ def _heldout_prompts(model_path: str, prompt_set: str, num_prompts: int, seed: i
 def main(argv: Optional[list[str]] = None) -> int:
     """Run plain and DFLASH engines on the same prompts and print the speed-up per concurrency."""
     from sglite.bench_offline import resolve_model_dir
-    from sglite.srt.default_model import DEFAULT_DRAFT_DIR
+    from sglite.srt.default_model import DEFAULT_DRAFT_DIR, DEFAULT_DRAFT_TOKEN_MAP_FILE
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None, help="default: the default model's GGUF")
     p.add_argument("--draft-model-path", default=DEFAULT_DRAFT_DIR)
+    p.add_argument("--speculative-token-map", default=None,
+                   help="hot token ids of the draft head (.pt); default: the draft folder's token_map.pt if it has "
+                        "one (as sglite serve does for the bundled draft); 'none': the full head")
     p.add_argument("--prompt-set", default="chat", choices=("chat", "toy"))
     p.add_argument("--speculative-algorithm", default="DFLASH", choices=("DFLASH", "DSPARK"))
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="B; default: the checkpoint's")
@@ -91,9 +94,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
     common = dict(model_path=args.model_path, device=args.device, attention_backend=args.attention_backend,
                   disable_radix_cache=True, log_level="warning", enable_torch_compile=args.enable_torch_compile)
+    token_map = args.speculative_token_map
+    if token_map is None:
+        shipped = os.path.join(args.draft_model_path, DEFAULT_DRAFT_TOKEN_MAP_FILE)
+        token_map = shipped if os.path.isfile(shipped) else None
+    elif token_map == "none":
+        token_map = None
     spec_args = {"speculative_algorithm": args.speculative_algorithm,
                  "speculative_draft_model_path": args.draft_model_path,
-                 "speculative_num_draft_tokens": args.speculative_num_draft_tokens}
+                 "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+                 "speculative_token_map": token_map}
     extras = {"plain": {}, "spec": {**spec_args, "speculative_adaptive": False},
               "adaptive": {**spec_args, "speculative_adaptive": True}}
     runs: dict[str, dict[int, list]] = {v: {c: [] for c in args.concurrency} for v in args.variants}
@@ -108,7 +118,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 engine.shutdown()
 
     base_name = args.variants[0]
-    print(f"{args.speculative_algorithm} on {args.model_path} + {args.draft_model_path}; device {args.device}"
+    print(f"{args.speculative_algorithm} on {args.model_path} + {args.draft_model_path}; token map {token_map}; device {args.device}"
           f"{' (--enable-torch-compile)' if args.enable_torch_compile else ''}; "
           f"{len(prompts)} held-out prompts, greedy, max_new_tokens {args.max_new_tokens}; "
           f"median of {args.rounds} interleaved rounds; baseline {base_name}")
