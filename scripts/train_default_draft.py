@@ -229,8 +229,8 @@ def reply_tokens(data: DraftData) -> torch.Tensor:
 def hot_token_ids(data: DraftData, size: int) -> torch.Tensor:
     """The ``size`` most frequent reply tokens (labels, not prompts) of ``data``, most frequent first (ties: lower id)."""
     counts = torch.bincount(reply_tokens(data).long())
-    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))
-    return torch.tensor([t for t in order if counts[t] > 0][:size], dtype=torch.int64)
+    order = torch.argsort(counts, descending=True, stable=True)  # stable: equal counts keep id order
+    return order[counts[order] > 0][:size].clone()  # its own storage: torch.save writes a view's whole base
 
 
 def write_token_map(cfg: DraftConfig, data: DraftData, out: Path) -> Optional[dict]:
@@ -348,7 +348,7 @@ def copy_target_layers(draft, target, layer_ids: list[int]) -> None:
 
 def restricted_vocab(cfg: DraftConfig, data: DraftData, vocab_size: int) -> torch.Tensor:
     """Sorted token ids the LM head is restricted to: every reply token, plus a seeded random sample."""
-    seen = torch.unique(torch.cat([t[p:] for t, p in zip(data.tokens, data.prompt_lens)]))
+    seen = torch.unique(reply_tokens(data))
     gen = torch.Generator().manual_seed(cfg.seed + 2)
     extra = torch.randperm(vocab_size, generator=gen)[: cfg.extra_vocab]
     return torch.unique(torch.cat([seen, extra]))

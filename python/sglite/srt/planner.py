@@ -234,8 +234,12 @@ def plan_rank(
     device_memory_bytes: Optional[int] = None,
     weights_bytes: Optional[int] = None,
     swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO,
+    hot_vocab_size: int = 0,
 ) -> RankReport:
-    """Simulate one rank with the runtime's code and build its pools on ``meta``."""
+    """Simulate one rank with the runtime's code and build its pools on ``meta``.
+
+    ``hot_vocab_size``: the ids of --speculative-token-map (plan_topology loads and checks the map once).
+    """
     sa = server_args
     par = ParallelState(sa.tp_size, sa.dp_size, sa.enable_dp_attention, sa.attn_cp_size, sa.pp_size)
     model_dtype = resolve_model_dtype(sa.dtype, model_config)
@@ -244,8 +248,6 @@ def plan_rank(
     with scoped(parallel=par):
         simulate_rank(par, rank)
         aux = resolve_spec_aux_hidden_state(sa, model_config, draft_model_config=draft_model_config, model_dtype=model_dtype)
-        # The draft runner's own check of the map (a bad file is refused here as at start-up).
-        hot_vocab_size = load_token_map(sa.speculative_token_map, model_config.vocab_size).numel() if sa.speculative_token_map else 0
         device = sa.resolved_device()
         if device == "cuda":
             if device_memory_bytes is None:
@@ -305,10 +307,13 @@ def plan_topology(
     mc = model_config or ModelConfig.from_path(server_args.model_path)
     if draft_model_config is None and server_args.speculative_algorithm is not None:
         draft_model_config = load_draft_model_config(server_args)
+    # The draft runner's own check of the map: a bad file is refused here as at start-up.
+    token_map = server_args.speculative_token_map
+    hot_vocab_size = load_token_map(token_map, mc.vocab_size).numel() if token_map else 0
     return [
         plan_rank(
             server_args, mc, r, draft_model_config=draft_model_config, device_memory_bytes=device_memory_bytes,
-            weights_bytes=weights_bytes, swa_full_tokens_ratio=swa_full_tokens_ratio,
+            weights_bytes=weights_bytes, swa_full_tokens_ratio=swa_full_tokens_ratio, hot_vocab_size=hot_vocab_size,
         )
         for r in range(server_args.tp_size)
     ]
