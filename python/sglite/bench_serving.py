@@ -167,7 +167,9 @@ async def _send(client: httpx.AsyncClient, base_url: str, backend: str, req: Ben
                         res.output_len = int(usage.get("completion_tokens", res.output_len))
                         res.prompt_len = int(usage.get("prompt_tokens", res.prompt_len))
                     choices = event.get("choices") or []
-                    has_content = bool(choices and choices[0].get("text"))
+                    # Every choice chunk is a token step (vLLM and sglite stream one per step, text or not);
+                    # counting only chunks with text loses the steps whose bytes are still partial UTF-8.
+                    has_content = bool(choices)
                 if has_content:
                     if res.ttft == 0.0:
                         res.ttft = now - start

@@ -52,9 +52,10 @@ def _make_app():
         n = body["max_tokens"]
 
         async def gen():
-            for _ in range(n):
+            for i in range(n):
                 await asyncio.sleep(0.002)
-                yield f"data: {json.dumps({'choices': [{'text': 'y'}]})}\n\n"
+                # Text only on the last step, as a random model's partial UTF-8 bytes stream from vLLM.
+                yield f"data: {json.dumps({'choices': [{'text': 'y' if i == n - 1 else ''}]})}\n\n"
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
@@ -115,6 +116,9 @@ def test_openai_backend_reads_usage(server_url):
     assert res.completed == 4
     assert res.total_output_tokens == 12
     assert res.accept_length is None
+    # Every step's chunk times a token, text or not: 1 TTFT and 2 ITL samples per request.
+    assert res.ttft_ms["median"] > 0 and res.itl_ms["median"] > 0
+    assert res.ttft_ms["median"] < res.e2e_ms["median"]
 
 
 @pytest.mark.timeout(60)

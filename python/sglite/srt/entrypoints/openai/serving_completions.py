@@ -92,7 +92,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
             meta = out["meta_info"]
             metas[out["index"]] = meta
             finish = finish_reason_str(meta["finish_reason"])
-            if out["delta_text"] or finish is not None:
+            # A step that produced tokens is a chunk even when its text is held back (a partial UTF-8 byte, a
+            # possible stop string): clients time tokens by chunks, as vLLM's stream does.
+            if out["delta_text"] or out["delta_output_ids"] or finish is not None:
                 logprobs = None
                 if req.logprobs is not None:
                     first = out["index"] not in logprobs_sent
