@@ -121,17 +121,18 @@ def estimate_weight_bytes_per_rank(
     return int(total)
 
 
-def _block_draft_head_params(draft: ModelConfig) -> int:
+def _block_draft_head_params(draft: ModelConfig, hot_vocab_size: int = 0) -> int:
     """Replicated parameters a DFLASH/DSPARK draft adds to its layers: ``fc`` and DSPARK's heads.
 
-    fc ``K*H*H``; Markov ``markov_w1`` + ``markov_w2`` ``2*V*r``, plus the gated head's ``gate_proj``
-    ``(H+r)*r + r`` or the rnn head's ``joint_proj`` ``(2r+H)*3r + 3r``; confidence ``proj`` ``in + 1``.
+    fc ``K*H*H``; Markov ``markov_w1`` ``V*r`` + ``markov_w2`` ``V*r`` (``hot_vocab_size*r`` under a token map,
+    which keeps only the map's rows), plus the gated head's ``gate_proj`` ``(H+r)*r + r`` or the rnn head's
+    ``joint_proj`` ``(2r+H)*3r + 3r``; confidence ``proj`` ``in + 1``.
     """
     spec, h, v = draft.draft, draft.hidden_size, draft.vocab_size
     total = len(spec.target_layer_ids) * h * h
     if spec.algorithm == "DSPARK":
         r = spec.markov_rank
-        total += 2 * v * r
+        total += v * r + (hot_vocab_size or v) * r
         if spec.markov_head_type == "gated":
             total += (h + r) * r + r
         elif spec.markov_head_type == "rnn":
@@ -150,12 +151,13 @@ def estimate_draft_weight_bytes_per_rank(
     DFLASH/DSPARK: its layers plus ``fc`` and DSPARK's Markov / confidence heads (replicated); the
     embedding and LM head are the target's (a checkpoint's copies are dropped at load, as speculators
     and SGLang do), so they are not counted twice; a --speculative-token-map of ``hot_vocab_size`` ids
-    adds its replicated head rows ``hot_vocab_size * H``. EAGLE/STANDALONE are whole small models.
+    adds its replicated head rows ``hot_vocab_size * H`` (and cuts DSPARK's ``markov_w2`` to its rows).
+    EAGLE/STANDALONE are whole small models.
     """
     if algorithm in ("DFLASH", "DSPARK"):
         dense_b, _ = _weight_elem_bytes(draft, dtype)
         layers = estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=False, dtype=dtype)
-        replicated = _block_draft_head_params(draft) + hot_vocab_size * draft.hidden_size
+        replicated = _block_draft_head_params(draft, hot_vocab_size) + hot_vocab_size * draft.hidden_size
         return layers + int(replicated * dense_b)
     return estimate_weight_bytes_per_rank(draft, tp_size, attn_tp_size, with_embeddings=True, dtype=dtype)
 

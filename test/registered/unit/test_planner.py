@@ -396,6 +396,7 @@ def test_dspark_draft_weight_estimate_counts_its_own_heads(one_rank, head_type):
     """The estimate equals the bytes of the draft as sglite builds it (on meta), norms aside."""
     import torch
 
+    from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead
     from sglite.srt.models.dspark import DSparkDraftModel
     from sglite.srt.planner import estimate_draft_weight_bytes_per_rank
 
@@ -406,6 +407,14 @@ def test_dspark_draft_weight_estimate_counts_its_own_heads(one_rank, head_type):
     assert estimate_draft_weight_bytes_per_rank(cfg, "DSPARK", 1, 1) == built
     heads = sum(p.numel() * 2 for n, p in model.named_parameters() if n.startswith(("markov_head", "confidence")))
     assert heads >= 2 * 151936 * 256 * 2  # markov_w1 + markov_w2 are counted
+    # A token map adds the hot head's rows and keeps only its rows of markov_w2.
+    with torch.device("meta"):
+        head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, params_dtype=torch.bfloat16)
+        model._target = (None, head, None)  # only the head is read
+        model.restrict_draft_vocab(torch.arange(32768))
+    assert model.markov_head.markov_w2.weight.shape == (32768, cfg.draft.markov_rank)
+    built = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n)
+    assert estimate_draft_weight_bytes_per_rank(cfg, "DSPARK", 1, 1, hot_vocab_size=32768) == built
 
 
 def test_weight_estimate_follows_the_runtime_dtype(one_rank):

@@ -52,6 +52,15 @@ class DSparkMarkovHead(nn.Module):
         elif head_type == "rnn":
             self.joint_proj = ReplicatedLinear(2 * rank + hidden_size, 3 * rank, bias=True, params_dtype=params_dtype)
 
+    def restrict_output(self, token_ids: torch.Tensor) -> None:
+        """Bias only these vocabulary columns (--speculative-token-map): ``markov_w2`` keeps their rows alone,
+        so a step computes no bias the draft's argmax would throw away."""
+        w2 = self.markov_w2
+        if w2.packed_weight is not None:
+            raise RuntimeError("restrict_output must run before the CPU pack (it would keep the full-vocabulary copy)")
+        w2.weight = nn.Parameter(w2.weight.data.index_select(0, token_ids.to(w2.weight.device)), requires_grad=False)
+        w2.output_size = int(token_ids.numel())
+
     def embed_prev(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """markov_w1 rows of the previous tokens."""
         return self.markov_w1(prev_ids.long())
@@ -63,7 +72,8 @@ class DSparkMarkovHead(nn.Module):
     def step(
         self, prev_emb: torch.Tensor, hidden: torch.Tensor, state: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(fp32 bias [n, V], next state) of one block slot from its previous-token embedding and hidden row."""
+        """(fp32 bias [n, V] (the map's columns after ``restrict_output``), next state) of one block slot from its
+        previous-token embedding and hidden row."""
         e = prev_emb.to(self.markov_w2.weight.dtype)
         if self.head_type == "vanilla":
             return self.markov_w2(e).float(), state
@@ -107,6 +117,11 @@ class DSparkDraftModel(DFlashDraftModel):
             width = config.hidden_size + (spec.markov_rank if self.confidence_with_markov else 0)
             self.confidence_head = DSparkConfidenceHead(width, params_dtype)
 
+    def restrict_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft from ``token_ids`` only: the hot head's logits and the Markov bias both cover just those columns."""
+        super().restrict_draft_vocab(token_ids)
+        self.markov_head.restrict_output(token_ids)
+
     def confidence_logits(self, hidden: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
         """Confidence-head logits [n] of slots with hidden rows ``hidden`` and previous-token embeddings."""
         if self.confidence_head is None:
@@ -134,8 +149,6 @@ class DSparkDraftModel(DFlashDraftModel):
                 continue  # DFlash convention: slot 0 is the anchor; it only advances the rnn state
             if self.confidence_head is not None:
                 conf.append(self.confidence_logits(hidden[:, k], emb))
-            if self.hot_head is not None:  # --speculative-token-map: logits cover the map's columns only
-                bias = bias[:, self.hot_head.token_ids]
             prev = self.to_vocab_ids(torch.argmax(logits[:, k] + bias, dim=-1))
             drafts.append(prev)
         return DraftProposal(ids=torch.stack(drafts, dim=1), confidence_logits=torch.stack(conf, dim=1) if conf else None)

@@ -114,6 +114,14 @@ def test_bias_and_confidence_equal_the_reference(base, one_rank, head_type):
         torch.testing.assert_close(bias, expected_bias[:, k], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model.confidence_logits(hidden[:, k], emb), expected_conf[:, k])
     assert float(expected_bias.abs().max()) > 1.0  # a bias large enough to matter
+    # A token map keeps markov_w2's rows of its ids: the bias is exactly those columns of the full one.
+    ids = torch.randperm(model.config.vocab_size, generator=g)[: model.config.vocab_size // 3]
+    head.restrict_output(ids)
+    assert head.markov_w2.weight.shape == (len(ids), RANK)
+    state = head.initial_state(n, hidden)
+    for k in range(block):
+        bias, state = head.step(head.embed_prev(prev[:, k]), hidden[:, k], state)
+        torch.testing.assert_close(bias, expected_bias[:, k][:, ids], rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
