@@ -3,19 +3,28 @@
 A drafted decode step costs a draft block plus a verify of W tokens per request and commits the accept
 length ``L`` (bonus included) tokens per request; a draft-free step costs one target decode and commits
 one. Whether ``L / t_draft`` beats ``1 / t_plain`` depends on the draft's quality on the current traffic,
-the hardware and the batch size, so it is measured rather than predicted: one EMA of ``L`` (the draft's
+the hardware and the batch size, so it is measured rather than predicted: one estimate of ``L`` (the draft's
 quality on the traffic, which does not depend on how many requests share a step) and, per batch-size
 bucket (powers of two), EMAs of the wall time of each kind of step.
 
+- ``L`` is noisy (a step commits 1 to B tokens; its spread is about its distance from 1) while step times are
+  steady, so it gets a slower estimate than the times: a running mean of the drafted steps' tokens per request,
+  which turns into an EMA of weight ``1 / accept_window`` once it has that many samples, with its variance, so
+  the gain has a standard error. (An EMA of weight 0.25 swung the gain of a 1.16x draft by about +-0.25 around
+  a 1.05 threshold, and the policy drafted on 4% of the steps; docs/benchmarks.md, "The real default".)
+
 - An unknown bucket measures first: ``warmup_steps`` drafted steps, then as many draft-free ones; each
   EMA starts at the median of its warm-up samples (the first step of a new shape may be cold).
-- Then it drafts while ``L / t_draft >= (1 + margin) / t_plain``; the margin keeps a draft that is only
-  as fast as plain (more work, same speed) off.
+- Then it drafts once ``L / t_draft >= (1 + margin) / t_plain``; the margin keeps a draft that is only
+  as fast as plain (more work, same speed) off. Drafting, once on, goes off only when the gain falls below
+  1: between the two thresholds either choice is about as fast, and switching on noise costs probes.
 - The path not taken is still probed, one step every ``interval`` steps: while drafting is off, the only
   way to notice that it started to pay (a repetitive reply, a lighter batch) is to draft now and then;
   while it is on, plain timings go stale as contexts grow. A probe that confirms the current choice
-  doubles the interval (bounded by ``max_probe_interval``), so a draft that keeps losing costs ever
-  less; a probe that flips the choice resets it. While drafting is off the interval counts plain-step
+  with confidence (the gain ``z`` standard errors away from the threshold that would flip it) doubles the
+  interval (bounded by ``max_probe_interval``), so a draft that keeps losing costs ever less; a probe that
+  confirms it only within the gain's error keeps the interval, so a marginal draft is sampled until the
+  estimate settles; a probe that flips the choice resets it. While drafting is off the interval counts plain-step
   time, not steps: a drafted probe costs ``t_draft / t_plain`` plain steps (~3.4 at batch 8 on a CPU,
   where one such probe per 32 steps cost ~3% of the run), so every bucket spends the same small share
   of its time probing; a bucket that started off like its smaller neighbour and has not timed a drafted
@@ -52,7 +61,9 @@ logger = logging.getLogger(__name__)
 class AdaptiveSpecConfig:
     """Knobs of the cost model; the defaults suit step times from a millisecond (GPU) to a second (CPU)."""
 
-    ema_alpha: float = 0.25  # weight of the newest step in each EMA
+    ema_alpha: float = 0.25  # weight of the newest step in each step-time EMA
+    accept_window: int = 32  # the accept-length estimate is a running mean up to this many samples, then an EMA of 1/this
+    z: float = 3.0  # standard errors of the gain that make a probe's confirmation confident
     warmup_steps: int = 3  # steps of each kind a new bucket measures before it decides
     margin: float = 0.05  # drafting must beat plain throughput by this fraction
     probe_interval: int = 8  # steps between probes of the path not taken, after a switch
@@ -61,6 +72,10 @@ class AdaptiveSpecConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if self.accept_window < 1:
+            raise ValueError(f"accept_window must be >= 1, got {self.accept_window}")
+        if not (math.isfinite(self.z) and self.z >= 0.0):
+            raise ValueError(f"z must be a finite number >= 0, got {self.z}")
         if self.warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
         if not (math.isfinite(self.margin) and self.margin >= 0.0):
@@ -69,6 +84,29 @@ class AdaptiveSpecConfig:
             raise ValueError(
                 f"need 1 <= probe_interval <= max_probe_interval, got {self.probe_interval}, {self.max_probe_interval}"
             )
+
+
+@dataclass
+class AcceptEstimate:
+    """Committed tokens per request per drafted step: a running mean and variance that become EMAs of weight
+    ``1 / window`` after ``window`` samples (both exact while it is a running mean)."""
+
+    window: int
+    count: int = 0
+    mean: float = 0.0
+    var: float = 0.0  # of one sample
+
+    def add(self, sample: float) -> None:
+        """Fold in one drafted step's tokens per request."""
+        self.count += 1
+        a = max(1.0 / self.count, 1.0 / self.window)
+        diff = sample - self.mean
+        self.mean += a * diff
+        self.var = (1.0 - a) * (self.var + a * diff * diff)
+
+    def stderr(self) -> float:
+        """Standard error of the mean; an EMA of weight a averages about (2 - a) / a samples."""
+        return math.sqrt(self.var / min(self.count, 2 * self.window - 1))
 
 
 @dataclass
@@ -109,8 +147,12 @@ class AdaptiveSpeculation:
     def __init__(self, config: Optional[AdaptiveSpecConfig] = None) -> None:
         self.config = config or AdaptiveSpecConfig()
         self.buckets: dict[int, BucketState] = {}
-        self.tokens: Optional[float] = None  # EMA committed tokens per request per drafted step (bonus included)
-        self._tokens_warmup: list[float] = []
+        self.accept = AcceptEstimate(self.config.accept_window)  # committed tokens per request per drafted step
+
+    @property
+    def tokens(self) -> Optional[float]:
+        """The estimated accept length L (bonus included), None before the first drafted step."""
+        return self.accept.mean if self.accept.count else None
 
     def _bucket(self, batch_size: int) -> BucketState:
         key = bucket_of(batch_size)
@@ -181,7 +223,7 @@ class AdaptiveSpeculation:
         b = self._bucket(batch_size)
         if drafted:
             b.t_draft = self._update(b.t_draft, b.draft_warmup, seconds)
-            self.tokens = self._update(self.tokens, self._tokens_warmup, tokens_per_req)
+            self.accept.add(tokens_per_req)
         else:
             b.t_plain = self._update(b.t_plain, b.plain_warmup, seconds)
         if b.drafting is None:  # measuring
@@ -193,12 +235,16 @@ class AdaptiveSpeculation:
         b.since_probe = 0 if probe else b.since_probe + 1
         if not b.warm():  # an inherited choice holds until this bucket has timed both paths
             return
-        wins = self.gain(key) >= 1.0 + self.config.margin
-        if wins == b.drafting:
-            if probe:  # it lost: probe less often
+        gain = self.gain(key)
+        flip_at = 1.0 if b.drafting else 1.0 + self.config.margin  # hysteresis: on above 1 + margin, off below 1
+        drafts = gain >= flip_at
+        if drafts == b.drafting:
+            # The probe lost; probe less often only when the gain is clear of the threshold by z standard errors.
+            error = self.config.z * gain * self.accept.stderr() / self.accept.mean
+            if probe and abs(gain - flip_at) > error:
                 b.interval = min(2 * b.interval, self.config.max_probe_interval)
             return
-        b.drafting, b.since_probe, b.interval = wins, 0, self.config.probe_interval
+        b.drafting, b.since_probe, b.interval = drafts, 0, self.config.probe_interval
         self._log_choice(key, b, "switched")
 
     def _update(self, ema: Optional[float], warmup: list[float], sample: float) -> Optional[float]:
