@@ -11,12 +11,21 @@ import time
 logger = logging.getLogger(__name__)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def watch_parent(poll_interval_s: float = 1.0) -> threading.Thread:
-    """Start a daemon thread that kills this process when its parent process goes away.
+    """Start a daemon thread that kills this process when its parent process goes away, and make SIGTERM
+    (the parent's orderly shutdown) a normal exit.
 
     Polling ``os.getppid()`` works on every POSIX platform (prctl's PDEATHSIG is Linux-only and
     fires on the parent *thread*'s exit). Call it first thing in every child process entry.
+    SIGTERM's default action ends the process without running exit handlers, so multiprocessing
+    semaphores it created (tqdm's write lock, Inductor's compile pool) stayed registered, and the
+    resource tracker warned about "leaked semaphore objects" at every Engine shutdown.
     """
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parent_pid = os.getppid()
 
     def _loop() -> None:
