@@ -15,9 +15,10 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
 
 - An unknown bucket measures first: ``warmup_steps`` drafted steps, then as many draft-free ones; each
   EMA starts at the median of its warm-up samples (the first step of a new shape may be cold).
-- Then it drafts once ``L / t_draft >= (1 + margin) / t_plain``; the margin keeps a draft that is only
-  as fast as plain (more work, same speed) off. Drafting, once on, goes off only when the gain falls below
-  1: between the two thresholds either choice is about as fast, and switching on noise costs probes.
+- Then it drafts while ``L / t_draft >= (1 + margin) / t_plain``; the margin keeps a draft that is only
+  as fast as plain (more work, same speed) off. (No hysteresis: the timed forwards leave out costs a drafted
+  step has beyond them, e.g. prompts that cannot ride along in its forward, so a bucket that stayed on down to
+  a gain of 1 lost throughput at batch 8 in an A/B; docs/benchmarks.md.)
 - The path not taken is still probed, one step every ``interval`` steps: while drafting is off, the only
   way to notice that it started to pay (a repetitive reply, a lighter batch) is to draft now and then;
   while it is on, plain timings go stale as contexts grow. A probe that confirms the current choice
@@ -236,12 +237,12 @@ class AdaptiveSpeculation:
         if not b.warm():  # an inherited choice holds until this bucket has timed both paths
             return
         gain = self.gain(key)
-        flip_at = 1.0 if b.drafting else 1.0 + self.config.margin  # hysteresis: on above 1 + margin, off below 1
-        drafts = gain >= flip_at
+        threshold = 1.0 + self.config.margin
+        drafts = gain >= threshold
         if drafts == b.drafting:
             # The probe lost; probe less often only when the gain is clear of the threshold by z standard errors.
             error = self.config.z * gain * self.accept.stderr() / self.accept.mean
-            if probe and abs(gain - flip_at) > error:
+            if probe and abs(gain - threshold) > error:
                 b.interval = min(2 * b.interval, self.config.max_probe_interval)
             return
         b.drafting, b.since_probe, b.interval = drafts, 0, self.config.probe_interval
