@@ -9,8 +9,8 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
 
 - ``L`` is noisy (a step commits 1 to B tokens; its spread is about its distance from 1) while step times are
   steady, so it gets a slower estimate than the times: a running mean of the drafted steps' tokens per request,
-  which turns into an EMA of weight ``1 / accept_window`` once it has that many samples, with its variance, so
-  the gain has a standard error. (An EMA of weight 0.25 swung the gain of a 1.16x draft by about +-0.25 around
+  which turns into an EMA of weight ``1 / accept_window`` once it has that many samples, with its per-request
+  variance, so the gain has a standard error. (An EMA of weight 0.25 swung the gain of a 1.16x draft by about +-0.25 around
   a 1.05 threshold, and the policy drafted on 4% of the steps; docs/benchmarks.md, "The real default".)
 
 - An unknown bucket measures first: ``warmup_steps`` drafted steps, then as many draft-free ones; each
@@ -89,25 +89,32 @@ class AdaptiveSpecConfig:
 
 @dataclass
 class AcceptEstimate:
-    """Committed tokens per request per drafted step: a running mean and variance that become EMAs of weight
-    ``1 / window`` after ``window`` samples (both exact while it is a running mean)."""
+    """Committed tokens per request per drafted step: a running mean over steps that becomes an EMA of weight
+    ``1 / window`` after ``window`` steps, and the standard error of that mean.
+
+    A step's sample is the mean over its batch, whose variance is the per-request variance over the batch size;
+    the spread is kept per request (a step's squared deviation times its batch size, the same weights), so steps
+    of different batch sizes pool: a few batch-1 steps do not make a batch-8 estimate look uncertain.
+    """
 
     window: int
     count: int = 0
     mean: float = 0.0
-    var: float = 0.0  # of one sample
+    var_per_request: float = 0.0
+    batch_size: float = 0.0  # the steps' mean batch size, same weights
 
-    def add(self, sample: float) -> None:
-        """Fold in one drafted step's tokens per request."""
+    def add(self, sample: float, batch_size: int = 1) -> None:
+        """Fold in one drafted step's mean tokens per request over its ``batch_size`` requests."""
         self.count += 1
         a = max(1.0 / self.count, 1.0 / self.window)
         diff = sample - self.mean
         self.mean += a * diff
-        self.var = (1.0 - a) * (self.var + a * diff * diff)
+        self.var_per_request = (1.0 - a) * (self.var_per_request + a * batch_size * diff * diff)
+        self.batch_size += a * (batch_size - self.batch_size)
 
     def stderr(self) -> float:
-        """Standard error of the mean; an EMA of weight a averages about (2 - a) / a samples."""
-        return math.sqrt(self.var / min(self.count, 2 * self.window - 1))
+        """Standard error of the mean; an EMA of weight a averages about (2 - a) / a steps."""
+        return math.sqrt(self.var_per_request / (min(self.count, 2 * self.window - 1) * self.batch_size))
 
 
 @dataclass
@@ -224,7 +231,7 @@ class AdaptiveSpeculation:
         b = self._bucket(batch_size)
         if drafted:
             b.t_draft = self._update(b.t_draft, b.draft_warmup, seconds)
-            self.accept.add(tokens_per_req)
+            self.accept.add(tokens_per_req, batch_size)
         else:
             b.t_plain = self._update(b.t_plain, b.plain_warmup, seconds)
         if b.drafting is None:  # measuring

@@ -177,15 +177,31 @@ def test_the_accept_estimate_is_a_running_mean_then_an_ema():
     est = AcceptEstimate(window=4)
     for x in (1.0, 3.0, 2.0, 2.0):
         est.add(x)
-    assert est.mean == pytest.approx(2.0) and est.var == pytest.approx(0.5)  # exact: population variance
+    assert est.mean == pytest.approx(2.0) and est.var_per_request == pytest.approx(0.5)  # exact: population variance
     assert est.stderr() == pytest.approx(math.sqrt(0.5 / 4))
     est.add(6.0)  # now an EMA of weight 1/4
     assert est.mean == pytest.approx(2.0 + (6.0 - 2.0) / 4)
-    assert est.var == pytest.approx(0.75 * (0.5 + 0.25 * 16.0))
-    assert est.stderr() == pytest.approx(math.sqrt(est.var / 5))
+    assert est.var_per_request == pytest.approx(0.75 * (0.5 + 0.25 * 16.0))
+    assert est.stderr() == pytest.approx(math.sqrt(est.var_per_request / 5))
     for _ in range(100):
         est.add(6.0)
-    assert est.stderr() == pytest.approx(math.sqrt(est.var / 7))  # (2 - a) / a samples at most
+    assert est.stderr() == pytest.approx(math.sqrt(est.var_per_request / 7))  # (2 - a) / a samples at most
+
+
+def test_the_accept_error_is_per_request_so_batch_sizes_pool():
+    """A batch-8 step's mean varies sqrt(8) less than one request's tokens: the same per-request spread gives the
+    same per-request variance at either batch size, and eight times the requests behind the batch-8 mean."""
+    one, eight, mixed = AcceptEstimate(window=32), AcceptEstimate(window=32), AcceptEstimate(window=32)
+    for i in range(20):
+        one.add(2.0 + (1.0 if i % 2 else -1.0), 1)
+        eight.add(2.0 + (1.0 if i % 2 else -1.0) / math.sqrt(8), 8)
+    assert eight.var_per_request == pytest.approx(one.var_per_request)
+    assert eight.stderr() == pytest.approx(one.stderr() / math.sqrt(8))
+    for i in range(20):  # batch-8 steps, then two batch-1 steps of the same per-request spread
+        mixed.add(2.0 + (1.0 if i % 2 else -1.0) / math.sqrt(8), 8)
+    mixed.add(3.0, 1)
+    mixed.add(1.0, 1)
+    assert mixed.stderr() < 1.2 * eight.stderr()
 
 
 def test_drafting_goes_off_as_soon_as_the_gain_falls_below_the_margin():
