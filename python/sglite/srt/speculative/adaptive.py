@@ -24,9 +24,9 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   while it is on, plain timings go stale as contexts grow. A probe that confirms the current choice
   with confidence (the gain ``z`` standard errors away from the threshold that would flip it) doubles the
   interval (bounded by ``max_probe_interval``), so a draft that keeps losing costs ever less; a probe that
-  confirms it only within the gain's error keeps the interval, so a marginal draft is sampled until the
-  estimate settles; a probe that flips the choice resets it. While drafting is off the interval counts plain-step
-  time, not steps: a drafted probe costs ``t_draft / t_plain`` plain steps (~3.4 at batch 8 on a CPU,
+  confirms it only within the gain's error keeps the interval (at batch 1, ``uncertain_probe_max_batch``),
+  so a marginal draft is sampled until the estimate settles; a probe that flips the choice resets it. While
+  drafting is off the interval counts plain-step time, not steps: a drafted probe costs ``t_draft / t_plain`` plain steps (~3.4 at batch 8 on a CPU,
   where one such probe per 32 steps cost ~3% of the run), so every bucket spends the same small share
   of its time probing; a bucket that started off like its smaller neighbour and has not timed a drafted
   step yet uses the neighbour's ratio, a lower bound of its own.
@@ -65,6 +65,12 @@ class AdaptiveSpecConfig:
     ema_alpha: float = 0.25  # weight of the newest step in each step-time EMA
     accept_window: int = 32  # the accept-length estimate is a running mean up to this many samples, then an EMA of 1/this
     z: float = 3.0  # standard errors of the gain that make a probe's confirmation confident
+    # Buckets up to this batch size keep their probe interval while a losing probe is within the gain's error;
+    # bigger ones double it after every losing probe. Above batch 1 the timed forward leaves out costs of a drafted
+    # step (waiting prompts cannot ride along in it; per-request scheduler work grows with its width), so the gain
+    # there reads high near the threshold: probing it more often drafted 15-20% of the steps at concurrency 8 and
+    # lost ~5% to plain in an A/B (docs/benchmarks.md, "The real default", session 11).
+    uncertain_probe_max_batch: int = 1
     warmup_steps: int = 3  # steps of each kind a new bucket measures before it decides
     margin: float = 0.05  # drafting must beat plain throughput by this fraction
     probe_interval: int = 8  # steps between probes of the path not taken, after a switch
@@ -73,6 +79,8 @@ class AdaptiveSpecConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if self.uncertain_probe_max_batch < 0:
+            raise ValueError(f"uncertain_probe_max_batch must be >= 0, got {self.uncertain_probe_max_batch}")
         if self.accept_window < 1:
             raise ValueError(f"accept_window must be >= 1, got {self.accept_window}")
         if not (math.isfinite(self.z) and self.z >= 0.0):
@@ -249,7 +257,7 @@ class AdaptiveSpeculation:
         if drafts == b.drafting:
             # The probe lost; probe less often only when the gain is clear of the threshold by z standard errors.
             error = self.config.z * gain * self.accept.stderr() / self.accept.mean
-            if probe and abs(gain - threshold) > error:
+            if probe and (key > self.config.uncertain_probe_max_batch or abs(gain - threshold) > error):
                 b.interval = min(2 * b.interval, self.config.max_probe_interval)
             return
         b.drafting, b.since_probe, b.interval = drafts, 0, self.config.probe_interval
