@@ -7,10 +7,10 @@ the hardware and the batch size, so it is measured rather than predicted: one es
 quality on the traffic, which does not depend on how many requests share a step) and, per batch-size
 bucket (powers of two), EMAs of the wall time of each kind of step.
 
-- ``L`` is noisy (a step commits 1 to B tokens; its spread is about its distance from 1) while step times are
-  steady, so it gets a slower estimate than the times: a running mean of the drafted steps' tokens per request,
-  which turns into an EMA of weight ``1 / accept_window`` once it has that many samples, with its per-request
-  variance, so the gain has a standard error. (An EMA of weight 0.25 swung the gain of a 1.16x draft by about +-0.25 around
+- ``L`` is noisy (a request's step commits 1 to B tokens; their spread is about their distance from 1) while
+  step times are steady, so it gets a slower estimate than the times, counted per request (a batch-8 step
+  observes 8 acceptances): a running mean that turns into an EMA once ``accept_window`` requests are in, with
+  its per-request variance, so the gain has a standard error. (An EMA of weight 0.25 swung the gain of a 1.16x draft by about +-0.25 around
   a 1.05 threshold, and the policy drafted on 4% of the steps; docs/benchmarks.md, "The real default".)
 
 - An unknown bucket measures first: ``warmup_steps`` drafted steps, then as many draft-free ones; each
@@ -63,7 +63,7 @@ class AdaptiveSpecConfig:
     """Knobs of the cost model; the defaults suit step times from a millisecond (GPU) to a second (CPU)."""
 
     ema_alpha: float = 0.25  # weight of the newest step in each step-time EMA
-    accept_window: int = 32  # the accept-length estimate is a running mean up to this many samples, then an EMA of 1/this
+    accept_window: int = 32  # the accept-length estimate: a running mean over this many requests, then an EMA
     z: float = 3.0  # standard errors of the gain that make a probe's confirmation confident
     # Buckets up to this batch size keep their probe interval while a losing probe is within the gain's error;
     # bigger ones double it after every losing probe. Above batch 1 the timed forward leaves out costs of a drafted
@@ -97,32 +97,31 @@ class AdaptiveSpecConfig:
 
 @dataclass
 class AcceptEstimate:
-    """Committed tokens per request per drafted step: a running mean over steps that becomes an EMA of weight
-    ``1 / window`` after ``window`` steps, and the standard error of that mean.
+    """Committed tokens per request per drafted step, counted per request: a running mean over the requests seen
+    that becomes an EMA of weight ``batch_size / window`` once ``window`` requests are in, and its standard error.
 
-    A step's sample is the mean over its batch, whose variance is the per-request variance over the batch size;
-    the spread is kept per request (a step's squared deviation times its batch size, the same weights), so steps
-    of different batch sizes pool: a few batch-1 steps do not make a batch-8 estimate look uncertain.
+    A drafted step of b requests observes b acceptances, so it weighs b: a batch-8 step moves the estimate as far
+    as 8 batch-1 steps (a running mean over steps kept one easy prompt's 3.0 for dozens of batch-8 steps and had a
+    batch-8 bucket draft at a loss). Its mean's variance is the per-request variance over b, so the spread is kept
+    per request (the squared deviation times b).
     """
 
-    window: int
-    count: int = 0
+    window: int  # requests
+    count: int = 0  # requests seen
     mean: float = 0.0
     var_per_request: float = 0.0
-    batch_size: float = 0.0  # the steps' mean batch size, same weights
 
     def add(self, sample: float, batch_size: int = 1) -> None:
         """Fold in one drafted step's mean tokens per request over its ``batch_size`` requests."""
-        self.count += 1
-        a = max(1.0 / self.count, 1.0 / self.window)
+        self.count += batch_size
+        a = min(1.0, batch_size / min(self.count, self.window))
         diff = sample - self.mean
         self.mean += a * diff
         self.var_per_request = (1.0 - a) * (self.var_per_request + a * batch_size * diff * diff)
-        self.batch_size += a * (batch_size - self.batch_size)
 
     def stderr(self) -> float:
-        """Standard error of the mean; an EMA of weight a averages about (2 - a) / a steps."""
-        return math.sqrt(self.var_per_request / (min(self.count, 2 * self.window - 1) * self.batch_size))
+        """Standard error of the mean; an EMA of per-request weight 1/W averages about 2W - 1 requests."""
+        return math.sqrt(self.var_per_request / min(self.count, 2 * self.window - 1))
 
 
 @dataclass

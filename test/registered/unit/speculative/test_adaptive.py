@@ -95,17 +95,18 @@ def test_the_accept_length_is_one_estimate_over_all_buckets():
     p = AdaptiveSpeculation(CFG)
     for bs, tokens in [(1, 2.0), (1, 2.2), (8, 1.4), (8, 1.0), (2, 3.0)]:
         p.record(bs, True, 0.1, tokens)
-    assert p.tokens == pytest.approx(9.6 / 5)  # a running mean while it has fewer than accept_window samples
+    # A running mean over requests while fewer than accept_window are in: a batch-8 step weighs 8.
+    assert p.tokens == pytest.approx((2.0 + 2.2 + 8 * 1.4 + 8 * 1.0 + 2 * 3.0) / 20)
 
     p = AdaptiveSpeculation(CFG)
     drive(p, 1, 6, t_draft=0.1, tokens=3.0, t_plain=0.1)  # bucket 1: L = 3, drafting on
     assert p.buckets[1].drafting is True and p.tokens == pytest.approx(3.0)
-    # Bucket 8's own three drafted steps accept nothing; the shared estimate still remembers bucket 1's, so it
-    # drafts (its own L alone, 1.0, would give 0.67x).
+    # Bucket 8's three drafted steps accept nothing: 24 requests that outweigh bucket 1's 3 in the shared
+    # estimate, so bucket 8 does not draft (one easy prompt before a batch does not set the batch's L).
     drive(p, 8, 6, t_draft=0.15, tokens=1.0, t_plain=0.1)
-    shared = (3 * 3.0 + 3 * 1.0) / 6
+    shared = (3 * 3.0 + 24 * 1.0) / 27
     assert p.tokens == pytest.approx(shared) and p.gain(8) == pytest.approx(shared * 0.1 / 0.15)
-    assert p.buckets[8].drafting is True
+    assert p.buckets[8].drafting is False
 
 
 def test_a_bigger_bucket_starts_off_when_a_smaller_one_does_not_draft():
@@ -188,20 +189,24 @@ def test_the_accept_estimate_is_a_running_mean_then_an_ema():
     assert est.stderr() == pytest.approx(math.sqrt(est.var_per_request / 7))  # (2 - a) / a samples at most
 
 
-def test_the_accept_error_is_per_request_so_batch_sizes_pool():
-    """A batch-8 step's mean varies sqrt(8) less than one request's tokens: the same per-request spread gives the
-    same per-request variance at either batch size, and eight times the requests behind the batch-8 mean."""
-    one, eight, mixed = AcceptEstimate(window=32), AcceptEstimate(window=32), AcceptEstimate(window=32)
-    for i in range(20):
+def test_the_accept_estimate_counts_requests():
+    """A batch-8 step observes 8 acceptances: it weighs 8 in the running mean and moves the EMA 8/window; its
+    mean varies sqrt(8) less than one request's tokens, so the spread is kept per request."""
+    est = AcceptEstimate(window=32)
+    est.add(2.0, 1)
+    est.add(1.0, 3)
+    assert est.count == 4 and est.mean == pytest.approx((2.0 + 3 * 1.0) / 4)
+    full = AcceptEstimate(window=32)
+    for _ in range(40):
+        full.add(2.0, 1)
+    full.add(4.0, 8)
+    assert full.mean == pytest.approx(2.0 + 8 / 32 * 2.0)
+    one, eight = AcceptEstimate(window=32), AcceptEstimate(window=32)
+    for i in range(200):  # the same per-request spread (+-1) seen one request or eight at a time
         one.add(2.0 + (1.0 if i % 2 else -1.0), 1)
         eight.add(2.0 + (1.0 if i % 2 else -1.0) / math.sqrt(8), 8)
-    assert eight.var_per_request == pytest.approx(one.var_per_request)
-    assert eight.stderr() == pytest.approx(one.stderr() / math.sqrt(8))
-    for i in range(20):  # batch-8 steps, then two batch-1 steps of the same per-request spread
-        mixed.add(2.0 + (1.0 if i % 2 else -1.0) / math.sqrt(8), 8)
-    mixed.add(3.0, 1)
-    mixed.add(1.0, 1)
-    assert mixed.stderr() < 1.2 * eight.stderr()
+    assert eight.var_per_request == pytest.approx(one.var_per_request, rel=0.3)
+    assert eight.stderr() == pytest.approx(one.stderr(), rel=0.3)  # both average ~63 requests
 
 
 def test_drafting_goes_off_as_soon_as_the_gain_falls_below_the_margin():
