@@ -10,15 +10,16 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
 - ``L`` is noisy (a request's step commits 1 to B tokens; their spread is about their distance from 1) while
   step times are steady, so it gets a slower estimate than the times, counted per request (a batch-8 step
   observes 8 acceptances): a running mean that turns into an EMA once ``accept_window`` requests are in, with
-  its per-request variance, so the gain has a standard error. (An EMA of weight 0.25 swung the gain of a 1.16x draft by about +-0.25 around
-  a 1.05 threshold, and the policy drafted on 4% of the steps; docs/benchmarks.md, "The real default".)
+  its per-request variance, so the gain has a standard error. (An EMA of weight 0.25 swung the gain of a 1.16x
+  draft by about +-0.25 around a 1.05 threshold, and the policy drafted on 4% of the steps; docs/benchmarks.md,
+  "The real default".)
 
 - An unknown bucket measures first: ``warmup_steps`` drafted steps, then as many draft-free ones; each
   EMA starts at the median of its warm-up samples (the first step of a new shape may be cold).
 - Then it drafts while ``L / t_draft >= (1 + margin) / t_plain``; the margin keeps a draft that is only
-  as fast as plain (more work, same speed) off. (No hysteresis: the timed forwards leave out costs a drafted
-  step has beyond them, e.g. prompts that cannot ride along in its forward, so a bucket that stayed on down to
-  a gain of 1 lost throughput at batch 8 in an A/B; docs/benchmarks.md.)
+  as fast as plain (more work, same speed) off. The same threshold turns drafting off: a lower one (1.0) was
+  tried and dropped, since the timed forwards leave out costs a drafted step has beyond them (prompts that
+  cannot ride along in its forward), so a timed gain just above 1 is no gain.
 - The path not taken is still probed, one step every ``interval`` steps: while drafting is off, the only
   way to notice that it started to pay (a repetitive reply, a lighter batch) is to draft now and then;
   while it is on, plain timings go stale as contexts grow. A probe that confirms the current choice
@@ -26,10 +27,10 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   interval (bounded by ``max_probe_interval``), so a draft that keeps losing costs ever less; a probe that
   confirms it only within the gain's error keeps the interval (at batch 1, ``uncertain_probe_max_batch``),
   so a marginal draft is sampled until the estimate settles; a probe that flips the choice resets it. While
-  drafting is off the interval counts plain-step time, not steps: a drafted probe costs ``t_draft / t_plain`` plain steps (~3.4 at batch 8 on a CPU,
-  where one such probe per 32 steps cost ~3% of the run), so every bucket spends the same small share
-  of its time probing; a bucket that started off like its smaller neighbour and has not timed a drafted
-  step yet uses the neighbour's ratio, a lower bound of its own.
+  drafting is off the interval counts plain-step time, not steps: a drafted probe costs ``t_draft / t_plain``
+  plain steps (~3.4 at batch 8 on a CPU, where one such probe per 32 steps cost ~3% of the run), so every
+  bucket spends the same small share of its time probing; a bucket that started off like its smaller
+  neighbour and has not timed a drafted step yet uses the neighbour's ratio, a lower bound of its own.
 - A new bucket skips the measuring when a neighbour already settles it. The gain ``L * t_plain / t_draft``
   does not grow with the batch: ``L`` does not depend on it, and a drafted step's relative cost
   ``t_draft / t_plain`` only grows (its W - 1 extra verify tokens per request ride along on weight reads
@@ -66,10 +67,10 @@ class AdaptiveSpecConfig:
     accept_window: int = 32  # the accept-length estimate: a running mean over this many requests, then an EMA
     z: float = 3.0  # standard errors of the gain that make a probe's confirmation confident
     # Buckets up to this batch size keep their probe interval while a losing probe is within the gain's error;
-    # bigger ones double it after every losing probe. Above batch 1 the timed forward leaves out costs of a drafted
-    # step (waiting prompts cannot ride along in it; per-request scheduler work grows with its width), so the gain
-    # there reads high near the threshold: probing it more often drafted 15-20% of the steps at concurrency 8 and
-    # lost ~5% to plain in an A/B (docs/benchmarks.md, "The real default", session 11).
+    # bigger ones double it after every losing probe, as before session 11. Batch 1 is where the extra probing was
+    # measured to pay; above it the timed forward leaves out costs of a drafted step (waiting prompts cannot ride
+    # along in it), so a gain near the threshold is less trustworthy there. (The A/Bs did not separate this rule's
+    # effect at concurrency 8 from the accept estimate's: docs/benchmarks.md, "The real default", session 11.)
     uncertain_probe_max_batch: int = 1
     warmup_steps: int = 3  # steps of each kind a new bucket measures before it decides
     margin: float = 0.05  # drafting must beat plain throughput by this fraction
