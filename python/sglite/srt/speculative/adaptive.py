@@ -255,13 +255,16 @@ class AdaptiveSpeculation:
         threshold = 1.0 + self.config.margin
         drafts = gain >= threshold
         if drafts == b.drafting:
-            # The probe lost; probe less often only when the gain is clear of the threshold by z standard errors.
-            error = self.config.z * gain * self.accept.stderr() / self.accept.mean
-            if probe and (key > self.config.uncertain_probe_max_batch or abs(gain - threshold) > error):
+            # The probe lost; probe less often, at small batches only when the gain is clear of the threshold.
+            if probe and (key > self.config.uncertain_probe_max_batch or self._clear_of(gain, threshold)):
                 b.interval = min(2 * b.interval, self.config.max_probe_interval)
             return
         b.drafting, b.since_probe, b.interval = drafts, 0, self.config.probe_interval
         self._log_choice(key, b, "switched")
+
+    def _clear_of(self, gain: float, threshold: float) -> bool:
+        """Whether the gain is more than z standard errors (of the accept estimate) from the threshold."""
+        return abs(gain - threshold) > self.config.z * gain * self.accept.stderr() / self.accept.mean
 
     def _update(self, ema: Optional[float], warmup: list[float], sample: float) -> Optional[float]:
         """The EMA after one sample; during warm-up, collect and start at the warm-up median."""
