@@ -76,6 +76,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="Every variant with --enable-torch-compile (CPU: decode and, with a draft, verify compiled)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="warning",
+                   help="the engines' log level; info shows --speculative-adaptive's per-bucket choices and timings")
     p.add_argument("--result-file", default=None, help="Write results as JSON here")
     p.add_argument("--dspark-cap-thresholds", type=float, nargs="+", default=None,
                    help="Measure DSPARK cap-accept at these thresholds (see the module docstring)")
@@ -93,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     prompts = _heldout_prompts(args.model_path, args.prompt_set, args.num_prompts, args.seed)
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
     common = dict(model_path=args.model_path, device=args.device, attention_backend=args.attention_backend,
-                  disable_radix_cache=True, log_level="warning", enable_torch_compile=args.enable_torch_compile)
+                  disable_radix_cache=True, log_level=args.log_level, enable_torch_compile=args.enable_torch_compile)
     token_map = args.speculative_token_map
     if token_map is None:
         shipped = os.path.join(args.draft_model_path, DEFAULT_DRAFT_TOKEN_MAP_FILE)
