@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """The --speculative-adaptive policy alone, on synthetic traffic: share of steps drafted and speed vs plain.
 
-No model runs: ``AdaptiveSpeculation`` is fed fixed step times (drafted / plain) and per-step committed tokens
-drawn (seeded) from a list, so a policy change can be judged in seconds before it is A/B'd on a real server.
-Each case prints the true gain of always drafting, and the policy's mean over seeds.
+No model runs: ``AdaptiveSpeculation`` is fed step times and per-request committed tokens drawn (seeded) from
+a list, so a policy change can be judged in seconds before it is A/B'd on a real server. Two tables:
+
+- batch 1, fixed step times: each case prints the true gain of always drafting, and the policy's mean over seeds;
+- traffic: ``bench_spec``'s shape (a 1-request warm-up, then requests of up to 64 tokens at a concurrency, most
+  running to the limit), with step times that grow with the batch as measured on the default pair (compiled,
+  2-core CPU, session 12): a drafted step costs 1.6 plain steps at batch 1 and 4.3 at batch 32, so the
+  batch-size buckets a wave falls through each decide for themselves.
 
     python benchmark/simulate_adaptive.py                      # the shipped AdaptiveSpecConfig
     python benchmark/simulate_adaptive.py --accept-window 16 --z 2
@@ -61,6 +66,70 @@ def simulate(config: AdaptiveSpecConfig, phases: list[tuple[list[int], int]], se
     return SimResult(drafted / steps, tokens / seconds * t_plain)
 
 
+# Seconds of a decode step of b requests on the default pair (compiled, 2-core CPU; session 12's server log:
+# batch 1 0.0436 / 0.0694 s, batch 32 0.1147 / 0.4988 s). A drafted step verifies W = 5 tokens a request, so its
+# GEMMs have about 5b rows: it costs about a plain step of 5b requests plus the draft block.
+def plain_step_seconds(b: int) -> float:
+    """A plain decode step of b requests."""
+    return 0.0413 + 0.0023 * b
+
+
+def drafted_step_seconds(b: int) -> float:
+    """A drafted decode step (draft block + verify of 5 tokens a request) of b requests."""
+    return 0.0557 + 0.0138 * b
+
+
+# name -> (requests, concurrency); each request's committed tokens per drafted step are drawn from TRAFFIC_ACCEPT
+TRAFFIC: dict[str, tuple[int, int]] = {
+    "conc 1, 8 requests": (8, 1),
+    "conc 8, 32 requests": (32, 8),
+    "conc 32, one wave": (32, 32),
+}
+TRAFFIC_ACCEPT = [1, 1, 1, 2, 2, 2, 3, 4]  # mean 2.0 (the default draft: ~1.8-2.1 on held-out chat)
+
+
+def simulate_traffic(config: AdaptiveSpecConfig, num_requests: int, concurrency: int, seed: int,
+                     max_new_tokens: int = 64) -> SimResult:
+    """A warm-up request, then num_requests at a concurrency (a finished one is replaced at once), all decode steps.
+
+    A request runs to max_new_tokens, or (one in four) stops early at a seeded length; the time of the same token
+    counts never drafting is the baseline. Prefill is left out (both paths pay it alike).
+    """
+    rng = random.Random(seed)
+    policy = AdaptiveSpeculation(config)
+    lengths = [max_new_tokens if rng.random() < 0.75 else rng.randint(8, max_new_tokens - 1)
+               for _ in range(num_requests + 1)]
+    steps = drafted = 0
+    seconds = plain_seconds = 0.0
+    for wave in ([lengths[0]], lengths[1:]):  # the warm-up request alone, then the traffic
+        waiting, running = list(wave), []
+        while waiting or running:
+            while waiting and len(running) < (1 if len(wave) == 1 else concurrency):
+                running.append(waiting.pop(0))
+            b = len(running)
+            if policy.should_draft(b):
+                commits = [min(left, rng.choice(TRAFFIC_ACCEPT)) for left in running]
+                t = drafted_step_seconds(b)
+                policy.record(b, True, t, sum(commits) / b)
+                drafted += 1
+            else:
+                commits = [1] * b
+                t = plain_step_seconds(b)
+                policy.record(b, False, t)
+            seconds += t
+            steps += 1
+            running = [left - c for left, c in zip(running, commits) if left > c]
+    # Never drafting: one token a request a step; the batch shrinks as requests finish.
+    for wave, conc in (([lengths[0]], 1), (lengths[1:], concurrency)):
+        waiting, running = list(wave), []
+        while waiting or running:
+            while waiting and len(running) < conc:
+                running.append(waiting.pop(0))
+            plain_seconds += plain_step_seconds(len(running))
+            running = [left - 1 for left in running if left > 1]
+    return SimResult(drafted / steps, plain_seconds / seconds)
+
+
 def main() -> None:
     """Print one row per case."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,6 +150,13 @@ def main() -> None:
         speed = sum(r.speed_vs_plain for r in runs) / len(runs)
         share = sum(r.drafted_share for r in runs) / len(runs)
         print(f"{name:>18} {always:>15.2f}x {speed:>7.3f}x {100 * share:>7.0f}%")
+    print(f"\ntraffic: up to 64 tokens a request, accept {TRAFFIC_ACCEPT}, {args.seeds} seeds")
+    print(f"{'case':>22} {'policy':>8} {'drafted':>8}")
+    for name, (n, conc) in TRAFFIC.items():
+        runs = [simulate_traffic(config, n, conc, s) for s in range(args.seeds)]
+        speed = sum(r.speed_vs_plain for r in runs) / len(runs)
+        share = sum(r.drafted_share for r in runs) / len(runs)
+        print(f"{name:>22} {speed:>7.3f}x {100 * share:>7.0f}%")
 
 
 if __name__ == "__main__":
