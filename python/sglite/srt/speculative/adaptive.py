@@ -14,8 +14,11 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   draft by about +-0.25 around a 1.05 threshold, and the policy drafted on 4% of the steps; docs/benchmarks.md,
   "The real default".)
 
-- An unknown bucket measures first: ``warmup_steps`` drafted steps, then as many draft-free ones; each
-  EMA starts at the median of its warm-up samples (the first step of a new shape may be cold).
+- An unknown bucket measures first: a drafted and a draft-free step in turn, until it has ``warmup_steps`` of
+  each; each EMA starts at the median of its warm-up samples (the first step of a new shape may be cold). It
+  decides earlier, after one step of each kind, when the gain is clear (``clear_band`` from the threshold, with
+  an accept estimate over ``accept_window`` requests): at batch 32 on a CPU a drafted step costs ~4.3 plain
+  ones, and the two more drafted warm-up steps cost ~6% of a 64-token wave (session 12).
 - Then it drafts while ``L / t_draft >= (1 + margin) / t_plain``; the margin keeps a draft that is only
   as fast as plain (more work, same speed) off. The same threshold turns drafting off: a lower one (1.0) was
   tried and dropped, since the timed forwards leave out costs a drafted step has beyond them (prompts that
@@ -29,21 +32,21 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   so a marginal draft is sampled until the estimate settles; a probe that flips the choice resets it. While
   drafting is off the interval counts plain-step time, not steps: a drafted probe costs ``t_draft / t_plain``
   plain steps (~3.4 at batch 8 on a CPU, where one such probe per 32 steps cost ~3% of the run), so every
-  bucket spends the same small share of its time probing; a bucket that started off like its smaller
-  neighbour and has not timed a drafted step yet uses the neighbour's ratio, a lower bound of its own.
-- A new bucket skips the measuring when a neighbour already settles it. The gain ``L * t_plain / t_draft``
+  bucket spends the same small share of its time probing; a bucket that started off as its neighbours settle it
+  and has not timed a drafted step yet uses their ratio (a lower bound, or an interpolation, of its own).
+- A new bucket skips the measuring when its timed neighbours already settle it. The gain ``L * t_plain / t_draft``
   does not grow with the batch: ``L`` does not depend on it, and a drafted step's relative cost
-  ``t_draft / t_plain`` only grows (its W - 1 extra verify tokens per request ride along on weight reads
-  at small batches and cost their full compute at large ones, on CPU already from batch 2). So when the
-  nearest decided smaller bucket does not draft, a bigger one starts off; when the nearest decided bigger
-  bucket drafts, a smaller one starts on (not when the two neighbours disagree). Such a bucket takes its
-  neighbour's probe interval (the neighbour's probes have confirmed the choice that often), measures the
-  path it runs, and the other path through its probes only; once both of its EMAs are warm it decides
-  from its own timings like any other bucket. Until then the choice lasts only while the neighbour keeps
-  it: if the neighbour switches (a reply turned repetitive), the bucket goes back to measuring. This
-  matters because traffic walks through buckets (8 requests finishing one by one visit buckets 8, 4, 2,
-  1), and each measuring bucket pays ``warmup_steps`` drafted steps, which cost ~3 plain steps each at
-  batch 8 on a CPU.
+  ``t_draft / t_plain`` only grows (its W - 1 extra verify tokens per request ride along on weight reads at
+  small batches and cost their full compute at large ones, on CPU already from batch 2). So the nearest
+  decided smaller bucket's cost ratio bounds a bucket's from below (if drafting loses there, it loses here)
+  and the nearest bigger one's from above (if it pays there, it pays here). Between a paying smaller bucket
+  and a losing bigger one the ratio is interpolated in log2 of the batch, and settles the choice when its gain
+  is clear (``clear_band``). Such a bucket takes the probe interval of the neighbour with the same choice,
+  measures the path it runs, and the other path through its probes only; its own timings take over once
+  they are clear or warm. Until then the choice lasts only while the neighbours still settle it (the accept
+  length moves, a neighbour re-times): otherwise the bucket goes back to measuring. This matters because
+  traffic walks through buckets (32 requests finishing one by one visit buckets 16, 8, 4, 2 and 1), and
+  each measuring bucket pays drafted steps, which cost 2.5-4 plain steps each at batch 8-32 on a CPU.
 
 Pure Python and deterministic: the same sequence of ``record`` calls gives the same decisions.
 """
@@ -72,7 +75,10 @@ class AdaptiveSpecConfig:
     # along in it), so a gain near the threshold is less trustworthy there. (The A/Bs did not separate this rule's
     # effect at concurrency 8 from the accept estimate's: docs/benchmarks.md, "The real default", session 11.)
     uncertain_probe_max_batch: int = 1
-    warmup_steps: int = 3  # steps of each kind a new bucket measures before it decides
+    warmup_steps: int = 3  # steps of each kind whose median starts a step-time EMA (a cold first step is outvoted)
+    # A gain this far (relative) from the threshold is acted on before warmup_steps of each kind are in, from the
+    # samples so far or a prior from timed neighbours: a cold first step or an interpolated cost is off by less.
+    clear_band: float = 0.25
     margin: float = 0.05  # drafting must beat plain throughput by this fraction
     probe_interval: int = 8  # steps between probes of the path not taken, after a switch
     max_probe_interval: int = 128  # the interval doubles while probes keep losing, up to this
@@ -86,6 +92,8 @@ class AdaptiveSpecConfig:
             raise ValueError(f"accept_window must be >= 1, got {self.accept_window}")
         if not (math.isfinite(self.z) and self.z >= 0.0):
             raise ValueError(f"z must be a finite number >= 0, got {self.z}")
+        if not 0.0 <= self.clear_band < 1.0:
+            raise ValueError(f"clear_band must be in [0, 1), got {self.clear_band}")
         if self.warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
         if not (math.isfinite(self.margin) and self.margin >= 0.0):
@@ -134,7 +142,7 @@ class BucketState:
     t_draft: Optional[float] = None  # EMA seconds of a drafted step
     t_plain: Optional[float] = None  # EMA seconds of a draft-free step
     drafting: Optional[bool] = None  # the current choice (None while measuring)
-    inherited_from: Optional[int] = None  # the neighbour bucket whose choice this one started with
+    prior: Optional["CostPrior"] = None  # what timed neighbours said when this bucket took their choice
     since_probe: int = 0  # steps on the chosen path since the last probe or switch
     interval: int = 0  # steps on the chosen path before the next probe
 
@@ -143,10 +151,27 @@ class BucketState:
         return self.t_draft is not None and self.t_plain is not None
 
 
+@dataclass(frozen=True)
+class CostPrior:
+    """A bucket's drafted-step cost in plain steps (t_draft / t_plain) as its timed neighbours bound or interpolate it,
+    and the choice it implies at the current accept length."""
+
+    ratio: float
+    drafting: bool
+    sources: tuple[int, ...]  # the timed buckets it comes from: one (a bound) or two (an interpolation)
+    interval: int  # the probe interval of the neighbour that made the same choice
+
+
+def _seconds(ema: Optional[float], warmup: list[float]) -> Optional[float]:
+    """A step time: the EMA, else the median of the warm-up samples so far (None before the first)."""
+    if ema is not None:
+        return ema
+    return float(statistics.median(warmup)) if warmup else None
+
+
 def _cost_ratio(b: BucketState) -> Optional[float]:
     """t_draft / t_plain from the EMAs, else from the warm-up samples so far (None while a kind has none)."""
-    t_draft = b.t_draft if b.t_draft is not None else (statistics.median(b.draft_warmup) if b.draft_warmup else None)
-    t_plain = b.t_plain if b.t_plain is not None else (statistics.median(b.plain_warmup) if b.plain_warmup else None)
+    t_draft, t_plain = _seconds(b.t_draft, b.draft_warmup), _seconds(b.t_plain, b.plain_warmup)
     return None if t_draft is None or t_plain is None else t_draft / t_plain
 
 
@@ -177,20 +202,50 @@ class AdaptiveSpeculation:
         return self.buckets[key]
 
     def _new_bucket(self, key: int) -> BucketState:
-        """A measuring bucket, or one that starts with a decided neighbour's choice (see the module docstring)."""
-        decided = {k: b for k, b in self.buckets.items() if b.drafting is not None}
-        lower = max((k for k in decided if k < key), default=None)
-        upper = min((k for k in decided if k > key), default=None)
-        starts_off = lower is not None and decided[lower].drafting is False
-        starts_on = upper is not None and decided[upper].drafting is True
-        if starts_off == starts_on:  # nothing known, or the neighbours disagree (noise): measure
+        """A measuring bucket, or one that starts with the choice its timed neighbours settle (``_prior``)."""
+        prior = self._prior(key)
+        if prior is None:
             return BucketState(interval=self.config.probe_interval)
-        src = lower if starts_off else upper
         logger.info(
-            "adaptive speculation: batch bucket <= %d starts with drafting %s, like bucket <= %d (the gain does not grow with the batch)",
-            key, "on" if starts_on else "off", src,
+            "adaptive speculation: batch bucket <= %d starts with drafting %s: cost %.2f plain steps (%s bucket %s), "
+            "accept len %.2f",
+            key, "on" if prior.drafting else "off", prior.ratio,
+            "bound by" if len(prior.sources) == 1 else "interpolated between",
+            " and ".join(map(str, prior.sources)), self.tokens,
         )
-        return BucketState(drafting=starts_on, inherited_from=src, interval=decided[src].interval)
+        return BucketState(drafting=prior.drafting, prior=prior, interval=prior.interval)
+
+    def _prior(self, key: int) -> Optional[CostPrior]:
+        """The choice for bucket ``key`` that its nearest decided and timed neighbours settle, if they do.
+
+        A drafted step's cost in plain steps only grows with the batch, so a smaller neighbour's ratio bounds this
+        bucket's from below (when it already loses at the current accept length, so does this one) and a bigger
+        one's from above (when it still pays, so does this one). Between a paying smaller neighbour and a losing
+        bigger one the ratio is interpolated in log2 of the batch, and settles the choice only when the gain it
+        gives is clear of the threshold (``_clear``).
+        """
+        if self.tokens is None:
+            return None
+        timed = {
+            k: r for k, b in self.buckets.items()
+            if k != key and b.drafting is not None and (r := _cost_ratio(b)) is not None
+        }
+        lower = max((k for k in timed if k < key), default=None)
+        upper = min((k for k in timed if k > key), default=None)
+        threshold = 1.0 + self.config.margin
+        if lower is not None and self.tokens / timed[lower] < threshold:
+            return CostPrior(timed[lower], False, (lower,), self.buckets[lower].interval)
+        if upper is not None and self.tokens / timed[upper] >= threshold:
+            return CostPrior(timed[upper], True, (upper,), self.buckets[upper].interval)
+        if lower is None or upper is None:
+            return None
+        at = (key.bit_length() - lower.bit_length()) / (upper.bit_length() - lower.bit_length())
+        ratio = timed[lower] + at * (timed[upper] - timed[lower])
+        gain = self.tokens / ratio
+        if not self._clear(gain, threshold):
+            return None
+        drafting = gain >= threshold
+        return CostPrior(ratio, drafting, (lower, upper), self.buckets[lower if drafting else upper].interval)
 
     def gain(self, batch_size: int) -> float:
         """Drafted over plain throughput (tokens per request per second) of this batch size's bucket, from the EMAs."""
@@ -199,6 +254,11 @@ class AdaptiveSpeculation:
             raise ValueError(f"bucket {bucket_of(batch_size)} has not measured both kinds of step yet")
         return self.tokens * b.t_plain / b.t_draft
 
+    def _own_gain(self, b: BucketState) -> Optional[float]:
+        """The gain from this bucket's own timings, warm or provisional (None while a kind has no sample)."""
+        ratio = _cost_ratio(b)
+        return None if ratio is None or self.tokens is None else self.tokens / ratio
+
     def drafting_off(self, batch_size: int) -> bool:
         """Whether this batch size's bucket has chosen draft-free steps (read-only: creates no bucket, counts no step)."""
         b = self.buckets.get(bucket_of(batch_size))
@@ -206,12 +266,20 @@ class AdaptiveSpeculation:
 
     def should_draft(self, batch_size: int) -> bool:
         """Whether the next decode step of batch_size requests should run the draft (creates its bucket)."""
+        key = bucket_of(batch_size)
         b = self._bucket(batch_size)
-        if b.inherited_from is not None and not b.warm() and self.buckets[b.inherited_from].drafting != b.drafting:
-            # The neighbour changed its mind before this bucket could judge on its own: measure instead.
-            b.drafting, b.inherited_from, b.since_probe, b.interval = None, None, 0, self.config.probe_interval
-        if b.drafting is None:  # measuring: drafted steps first, then draft-free ones
-            return b.t_draft is None
+        if b.prior is not None:
+            # A choice taken from neighbours lasts while they still settle it (the accept length or their timings
+            # move); the bucket's own timings take over in ``record`` once they are clear or warm.
+            prior = self._prior(key)
+            if prior is None or prior.drafting != b.drafting:
+                b.drafting, b.prior, b.since_probe, b.interval = None, None, 0, self.config.probe_interval
+                logger.info("adaptive speculation: batch bucket <= %d: its neighbours no longer settle it; measuring", key)
+            else:
+                b.prior = prior
+        if b.drafting is None:
+            # Measuring: a drafted and a draft-free step in turn (a clear gain shows after two), until both are warm.
+            return b.t_draft is None and (b.t_plain is not None or len(b.draft_warmup) <= len(b.plain_warmup))
         if b.since_probe >= self._probe_gap(b):
             return not b.drafting  # a probe of the path not taken
         return b.drafting
@@ -219,14 +287,14 @@ class AdaptiveSpeculation:
     def _probe_gap(self, b: BucketState) -> int:
         """Steps on the chosen path before the next probe: the interval, in plain-step time while drafting is off.
 
-        A bucket that has not timed a drafted step yet (one that started off like its smaller neighbour)
-        takes the neighbour's cost ratio, a lower bound of its own (the ratio only grows with the batch).
+        A bucket that has not timed a drafted step yet (one that started off like its neighbours) takes its prior's
+        cost ratio, a lower bound or an interpolation of its own.
         """
         if b.drafting is not False:
             return b.interval
         ratio = _cost_ratio(b)
-        if ratio is None and b.inherited_from is not None:
-            ratio = _cost_ratio(self.buckets[b.inherited_from])
+        if ratio is None and b.prior is not None:
+            ratio = b.prior.ratio
         return math.ceil(b.interval * max(1.0, ratio or 1.0))
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens_per_req: float = 1.0) -> None:
@@ -242,18 +310,19 @@ class AdaptiveSpeculation:
             self.accept.add(tokens_per_req, batch_size)
         else:
             b.t_plain = self._update(b.t_plain, b.plain_warmup, seconds)
-        if b.drafting is None:  # measuring
-            if b.warm():
-                b.drafting = self.gain(key) >= 1.0 + self.config.margin
-                self._log_choice(key, b, "measured")
-            return
-        probe = drafted != b.drafting
-        b.since_probe = 0 if probe else b.since_probe + 1
-        if not b.warm():  # an inherited choice holds until this bucket has timed both paths
-            return
-        gain = self.gain(key)
+        probe = b.drafting is not None and drafted != b.drafting
+        if b.drafting is not None:
+            b.since_probe = 0 if probe else b.since_probe + 1
+        gain = self._own_gain(b)
         threshold = 1.0 + self.config.margin
+        if gain is None or not (b.warm() or self._clear(gain, threshold)):
+            return  # measuring, or a neighbour's choice: until warm, the bucket's own timings act only when clear
         drafts = gain >= threshold
+        if b.drafting is None:
+            b.drafting = drafts
+            self._log_choice(key, b, "measured" if b.warm() else "measured (clear early)")
+            return
+        b.prior = None  # its own timings decide from here on
         if drafts == b.drafting:
             # The probe lost; probe less often, at small batches only when the gain is clear of the threshold.
             if probe and (key > self.config.uncertain_probe_max_batch or self._clear_of(gain, threshold)):
@@ -261,6 +330,18 @@ class AdaptiveSpeculation:
             return
         b.drafting, b.since_probe, b.interval = drafts, 0, self.config.probe_interval
         self._log_choice(key, b, "switched")
+
+    def _clear(self, gain: float, threshold: float) -> bool:
+        """Whether a gain from provisional costs (few samples, or a neighbours' prior) is clear enough to act on.
+
+        It must be more than ``clear_band`` (relative) from the threshold, with an accept estimate over at least
+        ``accept_window`` requests (one early request's acceptance says little) and z standard errors clear.
+        """
+        return (
+            self.accept.count >= self.config.accept_window
+            and abs(gain / threshold - 1.0) > self.config.clear_band
+            and self._clear_of(gain, threshold)
+        )
 
     def _clear_of(self, gain: float, threshold: float) -> bool:
         """Whether the gain is more than z standard errors (of the accept estimate) from the threshold."""
@@ -279,5 +360,6 @@ class AdaptiveSpeculation:
     def _log_choice(self, key: int, b: BucketState, how: str) -> None:
         logger.info(
             "adaptive speculation: batch bucket <= %d %s: drafting %s (accept len %.2f in %.4f s vs 1 in %.4f s: %.2fx)",
-            key, how, "on" if b.drafting else "off", self.tokens, b.t_draft, b.t_plain, self.gain(key),
+            key, how, "on" if b.drafting else "off", self.tokens,
+            _seconds(b.t_draft, b.draft_warmup), _seconds(b.t_plain, b.plain_warmup), self._own_gain(b),
         )

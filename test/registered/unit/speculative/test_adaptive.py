@@ -28,10 +28,10 @@ def gaps(kinds, value):
     return [b - a for a, b in zip(at, at[1:])]
 
 
-def test_warmup_drafts_then_goes_plain_then_decides():
+def test_warmup_alternates_drafted_and_plain_steps_then_decides():
     p = AdaptiveSpeculation(CFG)
     kinds = drive(p, 1, 6, t_draft=0.15, tokens=1.3, t_plain=0.10)
-    assert kinds == [True, True, True, False, False, False]
+    assert kinds == [True, False] * 3
     assert p.buckets[1].drafting is False and p.gain(1) == pytest.approx(1.3 * 0.10 / 0.15)
 
 
@@ -87,7 +87,7 @@ def test_buckets_are_powers_of_two_and_measure_when_neighbours_do_not_settle_the
     # Bucket 4 is new; its smaller neighbour drafts and its bigger one does not, which bounds nothing: it
     # measures, drafting first.
     assert p.should_draft(1) and p.should_draft(3)
-    assert p.buckets[4].drafting is None and p.buckets[4].inherited_from is None
+    assert p.buckets[4].drafting is None and p.buckets[4].prior is None
 
 
 def test_the_accept_length_is_one_estimate_over_all_buckets():
@@ -116,14 +116,14 @@ def test_a_bigger_bucket_starts_off_when_a_smaller_one_does_not_draft():
     assert p.buckets[1].drafting is False and p.buckets[1].interval == CFG.max_probe_interval
     kinds = drive(p, 8, 40, t_draft=0.45, tokens=1.3, t_plain=0.15)
     b = p.buckets[8]
-    assert b.inherited_from == 1 and b.drafting is False and b.interval == CFG.max_probe_interval
+    assert b.prior.sources == (1,) and b.drafting is False and b.interval == CFG.max_probe_interval
     # The first drafted step is the probe after the inherited interval, not a warm-up; it counts plain-step
     # time at bucket 1's cost ratio (1.5, a lower bound of bucket 8's), the next one at bucket 8's own (3).
     first = math.ceil(CFG.max_probe_interval * 1.5)
     assert kinds.index(True) == first and kinds.count(True) == 1 and first + 1 + 3 * CFG.max_probe_interval > 40
     assert b.t_plain == pytest.approx(0.15) and b.t_draft is None  # drafting warms through probes only
     fresh = drive(AdaptiveSpeculation(CFG), 8, 40, t_draft=0.45, tokens=1.3, t_plain=0.15)
-    assert fresh[:3] == [True, True, True] and fresh.count(True) > kinds.count(True)
+    assert fresh[:6] == [True, False] * 3 and fresh.count(True) > kinds.count(True)
 
 
 def test_a_smaller_bucket_starts_on_when_a_bigger_one_drafts():
@@ -131,9 +131,12 @@ def test_a_smaller_bucket_starts_on_when_a_bigger_one_drafts():
     drive(p, 8, 20, t_draft=0.20, tokens=3.0, t_plain=0.15)
     assert p.buckets[8].drafting is True
     n = p.buckets[8].interval
-    kinds = drive(p, 2, n + 1, t_draft=0.12, tokens=3.0, t_plain=0.10)
-    assert p.buckets[2].inherited_from == 8 and p.buckets[2].drafting is True
+    kinds = drive(p, 2, 1, t_draft=0.12, tokens=3.0, t_plain=0.10)
+    assert p.buckets[2].prior.sources == (8,) and p.buckets[2].drafting is True
+    kinds += drive(p, 2, n, t_draft=0.12, tokens=3.0, t_plain=0.10)
     assert kinds == [True] * n + [False]  # no draft-free warm-up: plain is timed by the probe after n steps
+    # One step of each kind and a clear gain (3.0 x 0.10 / 0.12 = 2.5): the bucket's own timings take over.
+    assert p.buckets[2].prior is None and p.buckets[2].drafting is True
 
 
 def test_an_inherited_choice_yields_to_the_buckets_own_timings():
@@ -143,7 +146,7 @@ def test_an_inherited_choice_yields_to_the_buckets_own_timings():
     drive(p, 1, 60, t_draft=0.15, tokens=1.3, t_plain=0.10)
     kinds = drive(p, 8, 4 * (CFG.max_probe_interval + 1), t_draft=0.15, tokens=1.3, t_plain=0.30)
     b = p.buckets[8]
-    assert b.inherited_from == 1 and b.drafting is True and b.t_draft == pytest.approx(0.15)
+    assert b.prior is None and b.drafting is True and b.t_draft == pytest.approx(0.15)
     # The third probe warmed t_draft and switched; the first waited for bucket 1's cost ratio (1.5), the
     # next ones for bucket 8's own (0.5: plain-step count).
     first_on = math.ceil(CFG.max_probe_interval * 1.5) + 1 + 2 * (CFG.max_probe_interval + 1)
@@ -156,11 +159,11 @@ def test_an_inherited_choice_lasts_only_while_the_neighbour_keeps_it():
     p = AdaptiveSpeculation(CFG)
     drive(p, 1, 60, t_draft=0.15, tokens=1.3, t_plain=0.10)
     drive(p, 8, 5, t_draft=0.45, tokens=1.3, t_plain=0.15)
-    assert p.buckets[8].inherited_from == 1 and not p.should_draft(8)
+    assert p.buckets[8].prior.sources == (1,) and not p.should_draft(8)
     while p.buckets[1].drafting is False:
         drive(p, 1, 1, t_draft=0.15, tokens=6.0, t_plain=0.10)
     b = p.buckets[8]
-    assert p.should_draft(8) and b.drafting is None and b.inherited_from is None
+    assert p.should_draft(8) and b.drafting is None and b.prior is None
     assert b.t_plain == pytest.approx(0.15)  # what it measured is kept: only the drafted warm-up is left
     kinds = drive(p, 8, 4, t_draft=0.45, tokens=6.0, t_plain=0.15)
     assert kinds[:3] == [True, True, True] and b.drafting is True
@@ -171,7 +174,48 @@ def test_an_unsettled_bucket_does_not_settle_others():
     p = AdaptiveSpeculation(CFG)
     drive(p, 2, 4, t_draft=0.15, tokens=1.3, t_plain=0.10)
     assert p.buckets[2].drafting is None
-    assert p.should_draft(4) and p.buckets[4].inherited_from is None and p.buckets[4].drafting is None
+    assert p.should_draft(4) and p.buckets[4].prior is None and p.buckets[4].drafting is None
+
+
+def test_a_clear_gain_decides_after_one_step_of_each_kind():
+    """Batch 32 on a CPU: a drafted step costs ~4.3 plain ones, so one step of each kind shows the draft losing
+    by far more than a cold step could explain; the bucket skips the other two drafted warm-up steps."""
+    p = AdaptiveSpeculation(CFG)
+    assert drive(p, 32, 2, t_draft=0.435, tokens=2.0, t_plain=0.10) == [True, False]
+    b = p.buckets[32]
+    assert b.drafting is False and not b.warm() and p.accept.count == 32
+    # Later samples finish the warm-up median through probes, as for any bucket.
+    assert b.draft_warmup == [0.435] and b.plain_warmup == [0.10]
+
+
+@pytest.mark.parametrize(
+    "bs, t_draft, why",
+    [(4, 0.435, "an accept estimate over 4 requests says little"), (32, 0.25, "gain 0.8: within the band")],
+)
+def test_an_unclear_gain_measures_until_warm(bs, t_draft, why):
+    p = AdaptiveSpeculation(CFG)
+    assert drive(p, bs, 5, t_draft=t_draft, tokens=2.0, t_plain=0.10) == [True, False, True, False, True], why
+    assert p.buckets[bs].drafting is None
+    drive(p, bs, 1, t_draft=t_draft, tokens=2.0, t_plain=0.10)
+    assert p.buckets[bs].warm() and p.buckets[bs].drafting is False
+
+
+def test_a_bucket_between_a_paying_and_a_losing_one_interpolates_its_cost():
+    """A wave of 32 requests that finish one by one falls through buckets 16, 8, 4 and 2. Between bucket 1 (a
+    drafted step costs 1.6 plain ones: drafting pays) and bucket 32 (4.35: it loses), a bucket's cost is
+    interpolated in log2 of the batch; where that settles the choice clearly, the bucket skips measuring."""
+    p = AdaptiveSpeculation(CFG)
+    drive(p, 1, 6, t_draft=0.16, tokens=2.0, t_plain=0.10)
+    drive(p, 32, 2, t_draft=0.435, tokens=2.0, t_plain=0.10)
+    assert p.buckets[1].drafting is True and p.buckets[32].drafting is False
+    assert not p.should_draft(12)  # bucket 16: 1.6 + 4/5 x 2.75 = 3.8 plain steps, gain 0.53
+    assert not p.should_draft(8)  # bucket 8: 3.25, gain 0.62
+    prior = p.buckets[8].prior
+    assert prior.sources == (1, 32) and prior.ratio == pytest.approx(1.6 + 3 / 5 * 2.75) and not prior.drafting
+    assert prior.interval == p.buckets[32].interval
+    assert not p.should_draft(4)  # bucket 4: 2.7, gain 0.74: just outside the band (0.79)
+    # Bucket 2: 2.15, gain 0.93 is within clear_band of the threshold: it measures, drafting first.
+    assert p.should_draft(2) and p.buckets[2].drafting is None and p.buckets[2].prior is None
 
 
 def test_the_accept_estimate_is_a_running_mean_then_an_ema():
@@ -222,8 +266,8 @@ def test_probes_keep_their_pace_while_the_gain_is_within_its_error_of_the_thresh
     """A noisy draft near break-even (tokens 1, 2, 1, 2, ...: gain 1.0 +- its error) keeps being probed every
     probe_interval; the same mean without noise is clearly below 1.05 and backs off to the bound."""
     noisy, steady = AdaptiveSpeculation(CFG), AdaptiveSpeculation(CFG)
-    for i in range(300):
-        for p, tokens in ((noisy, 1.0 + i % 2), (steady, 1.5)):
+    for _ in range(300):
+        for p, tokens in ((noisy, 1.0 + noisy.accept.count % 2), (steady, 1.5)):
             drafted = p.should_draft(1)
             p.record(1, drafted, 0.15 if drafted else 0.10, tokens if drafted else 1.0)
     assert noisy.buckets[1].drafting is False and steady.buckets[1].drafting is False
@@ -302,6 +346,7 @@ def test_bad_input_is_a_clear_error():
     for kw, match in (
         (dict(ema_alpha=0.0), "ema_alpha"),
         (dict(warmup_steps=0), "warmup_steps"),
+        (dict(clear_band=1.0), "clear_band"),
         (dict(accept_window=0), "accept_window"),
         (dict(uncertain_probe_max_batch=-1), "uncertain_probe_max_batch"),
         (dict(z=float("nan")), "z must"),
