@@ -127,6 +127,32 @@ async def test_outputs_accumulate_and_finish(tm_and_sched):
     assert tm.rid_to_state == {} and recv_all(sched, 100) == []
 
 
+async def test_a_stream_yields_every_step_with_tokens_and_no_empty_one(tm_and_sched):
+    """A token whose text is held back (a partial UTF-8 byte) is still an output: clients time tokens by
+    chunks. A wake-up with neither tokens nor text is not (the serving layer sends what it gets)."""
+    tm, sched = tm_and_sched
+    obj = GenerateReqInput(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2}, rid="r1", stream=True)
+    agen = tm.generate_request(obj).__aiter__()
+    first = asyncio.ensure_future(agen.__anext__())
+    await asyncio.sleep(0.05)
+    recv_all(sched)
+
+    def out(text, ids, reason, n):
+        return BatchStrOut(rids=["r1"], output_strs=[text], output_ids=[ids], finished_reasons=[reason],
+                           prompt_tokens=[3], completion_tokens=[n], cached_tokens=[0], spec_verify_ct=[0])
+
+    tm._handle_batch_str_out(out("", [10], None, 1))
+    a = await first
+    assert (a["delta_text"], a["delta_output_ids"]) == ("", [10])
+    second = asyncio.ensure_future(agen.__anext__())
+    tm._handle_batch_str_out(out("", [], None, 1))
+    await asyncio.sleep(0.05)
+    assert not second.done()
+    tm._handle_batch_str_out(out("é", [11], finish_length(2), 2))
+    b = await second
+    assert (b["delta_text"], b["delta_output_ids"], b["text"]) == ("é", [11], "é")
+
+
 async def test_cancelled_request_is_aborted(tm_and_sched):
     tm, sched = tm_and_sched
     obj = GenerateReqInput(input_ids=[5], sampling_params={"max_new_tokens": 4}, rid="gone")

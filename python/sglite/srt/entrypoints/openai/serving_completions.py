@@ -92,25 +92,24 @@ class OpenAIServingCompletion(OpenAIServingBase):
             meta = out["meta_info"]
             metas[out["index"]] = meta
             finish = finish_reason_str(meta["finish_reason"])
-            # A step that produced tokens is a chunk even when its text is held back (a partial UTF-8 byte, a
-            # possible stop string): clients time tokens by chunks, as vLLM's stream does.
-            if out["delta_text"] or out["delta_output_ids"] or finish is not None:
-                logprobs = None
-                if req.logprobs is not None:
-                    first = out["index"] not in logprobs_sent
-                    start, offset = logprobs_sent.get(out["index"], (0, 0))
-                    logprobs = self.completion_logprobs(meta, start, offset, with_prompt=req.echo and first)
-                    offset += sum(len(tok) for tok in logprobs["tokens"])
-                    logprobs_sent[out["index"]] = (len(meta.get("output_token_logprobs") or []), offset)
-                body: dict[str, Any] = {
-                    "id": cid, "object": "text_completion", "created": created, "model": self.served_model_name,
-                    "choices": [{"index": out["index"], "text": out["delta_text"], "logprobs": logprobs, "finish_reason": finish}],
-                }
-                if options and options.continuous_usage_stats:
-                    body["usage"] = self.meta_usage(meta)
-                if finish is not None and req.return_meta_info:
-                    body["meta_info"] = meta
-                yield sse(body)
+            # The manager yields every step that produced tokens, even when its text is held back (a partial
+            # UTF-8 byte, a possible stop string): each is a chunk, since clients time tokens by chunks (vLLM too).
+            logprobs = None
+            if req.logprobs is not None:
+                first = out["index"] not in logprobs_sent
+                start, offset = logprobs_sent.get(out["index"], (0, 0))
+                logprobs = self.completion_logprobs(meta, start, offset, with_prompt=req.echo and first)
+                offset += sum(len(tok) for tok in logprobs["tokens"])
+                logprobs_sent[out["index"]] = (len(meta.get("output_token_logprobs") or []), offset)
+            body: dict[str, Any] = {
+                "id": cid, "object": "text_completion", "created": created, "model": self.served_model_name,
+                "choices": [{"index": out["index"], "text": out["delta_text"], "logprobs": logprobs, "finish_reason": finish}],
+            }
+            if options and options.continuous_usage_stats:
+                body["usage"] = self.meta_usage(meta)
+            if finish is not None and req.return_meta_info:
+                body["meta_info"] = meta
+            yield sse(body)
         if options and options.include_usage and metas:
             usage = self.total_usage([metas[i] for i in sorted(metas)], req.n)
             yield sse({"id": cid, "object": "text_completion", "created": created, "model": self.served_model_name,

@@ -42,8 +42,3 @@ def test_steps_whose_text_is_held_back_still_stream_a_chunk():
     assert [c["text"] for c in choices] == ["a", "", "é", "", "b"]
     assert [c["finish_reason"] for c in choices] == [None] * 4 + ["length"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
-
-
-def test_a_step_without_tokens_or_text_sends_nothing():
-    chunks = stream([("a", [5], None), ("", [], None), ("b", [6], {"type": "length"})])
-    assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == ["a", "b"]
