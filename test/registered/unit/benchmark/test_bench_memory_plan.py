@@ -4,25 +4,18 @@ import os
 
 import pytest
 
-from sglite.testing.scripts import load_script
-
 SUITE = "unit-cpu"
 EST_TIME = 10
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+SCRIPT = "bench_memory_plan"
 # The repo's copies of shared/model_configs (identical files), so a fresh clone anywhere finds them.
-CONFIGS = os.path.join(REPO, "test", "registered", "unit", "configs", "model_configs")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "model_configs")
 
 
-def _load_bench():
-    return load_script(os.path.join(REPO, "benchmark", "bench_memory_plan.py"))
-
-
-@pytest.fixture(scope="module")
-def bench():
+@pytest.fixture(scope="module", autouse=True)
+def _configs_present():
     if not os.path.isdir(CONFIGS):
         pytest.fail(f"model configs not found at {CONFIGS}")
-    return _load_bench()
 
 
 def test_dp_attention_case_prices_draft_at_attn_tp(bench):

@@ -6,18 +6,12 @@ import os
 import pytest
 from safetensors import safe_open
 
-from sglite.testing.scripts import load_script
 from sglite.testing.tiny_dflash import build_tiny_target
 
 SUITE = "unit-cpu"
 EST_TIME = 10
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_script(os.path.join(REPO, "benchmark", "bench_peers.py"))
+SCRIPT = "bench_peers"
 
 
 def test_decode_step_bytes_are_the_layer_matrices_and_one_head(bench, tmp_path):
