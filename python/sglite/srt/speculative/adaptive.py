@@ -33,7 +33,10 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   drafting is off the interval counts plain-step time, not steps: a drafted probe costs ``t_draft / t_plain``
   plain steps (~3.4 at batch 8 on a CPU, where one such probe per 32 steps cost ~3% of the run), so every
   bucket spends the same small share of its time probing; a bucket that started off as its neighbours settle it
-  and has not timed a drafted step yet uses their ratio (a lower bound, or an interpolation, of its own).
+  and has not timed a drafted step yet uses their ratio (a lower bound, or an interpolation, of its own). It is
+  also stretched by how far the accept length falls short of paying (drafting pays again only at
+  ``(1 + margin) * t_draft / t_plain``): at batch 32 on a CPU that is ~4.7 against ~2, and a probe per ~40 steps
+  there cost ~2.5% of a 64-token wave.
 - A new bucket skips the measuring when its timed neighbours already settle it. The gain ``L * t_plain / t_draft``
   does not grow with the batch: ``L`` does not depend on it, and a drafted step's relative cost
   ``t_draft / t_plain`` only grows (its W - 1 extra verify tokens per request ride along on weight reads at
@@ -295,7 +298,11 @@ class AdaptiveSpeculation:
         ratio = _cost_ratio(b)
         if ratio is None and b.prior is not None:
             ratio = b.prior.ratio
-        return math.ceil(b.interval * max(1.0, ratio or 1.0))
+        ratio = max(1.0, ratio or 1.0)
+        # The further from paying, the rarer the probes: drafting pays again only once L reaches
+        # (1 + margin) x ratio, so a bucket that needs L to double probes half as often.
+        shortfall = max(1.0, (1.0 + self.config.margin) * ratio / self.tokens) if self.tokens else 1.0
+        return math.ceil(b.interval * ratio * shortfall)
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens_per_req: float = 1.0) -> None:
         """Feed one finished decode step: its kind, wall time and (drafted) mean committed tokens per request."""

@@ -39,10 +39,11 @@ def test_a_losing_draft_is_turned_off_and_probed_ever_less_often_up_to_the_bound
     p = AdaptiveSpeculation(CFG)
     kinds = drive(p, 1, 200, t_draft=0.15, tokens=1.3, t_plain=0.10)[6:]
     # Off after warm-up; each probe (one drafted step) loses, doubling the interval: 4, 8, 16, then 16 (the
-    # bound), counted in plain-step time: a drafted probe costs 1.5 plain steps, so 6, 12, 24, 24 steps.
+    # bound), counted in plain-step time: a drafted probe costs 1.5 plain steps, and drafting would pay only at an
+    # accept length 1.05 x 1.5 / 1.3 = 1.21 times this one, so 8 x 1.82 = 15, then 16 x 1.82 = 30 steps.
     assert kinds.count(True) < len(kinds) // 15
-    assert gaps(kinds, True)[:5] == [13, 25, 25, 25, 25]  # steps on the chosen path + the probe itself
-    assert kinds[:7] == [False] * 6 + [True]
+    assert gaps(kinds, True)[:5] == [16, 31, 31, 31, 31]  # steps on the chosen path + the probe itself
+    assert kinds[:9] == [False] * 8 + [True]  # the first interval: ceil(4 x 1.5 x 1.21)
     assert p.buckets[1].interval == CFG.max_probe_interval
 
 
@@ -118,8 +119,9 @@ def test_a_bigger_bucket_starts_off_when_a_smaller_one_does_not_draft():
     b = p.buckets[8]
     assert b.prior.sources == (1,) and b.drafting is False and b.interval == CFG.max_probe_interval
     # The first drafted step is the probe after the inherited interval, not a warm-up; it counts plain-step
-    # time at bucket 1's cost ratio (1.5, a lower bound of bucket 8's), the next one at bucket 8's own (3).
-    first = math.ceil(CFG.max_probe_interval * 1.5)
+    # time at bucket 1's cost ratio (1.5, a lower bound of bucket 8's) and the shortfall of the accept length at
+    # it (1.05 x 1.5 / 1.3), the next one at bucket 8's own (3).
+    first = math.ceil(CFG.max_probe_interval * 1.5 * (1.05 * 1.5 / 1.3))
     assert kinds.index(True) == first and kinds.count(True) == 1 and first + 1 + 3 * CFG.max_probe_interval > 40
     assert b.t_plain == pytest.approx(0.15) and b.t_draft is None  # drafting warms through probes only
     fresh = drive(AdaptiveSpeculation(CFG), 8, 40, t_draft=0.45, tokens=1.3, t_plain=0.15)
@@ -147,9 +149,9 @@ def test_an_inherited_choice_yields_to_the_buckets_own_timings():
     kinds = drive(p, 8, 4 * (CFG.max_probe_interval + 1), t_draft=0.15, tokens=1.3, t_plain=0.30)
     b = p.buckets[8]
     assert b.prior is None and b.drafting is True and b.t_draft == pytest.approx(0.15)
-    # The third probe warmed t_draft and switched; the first waited for bucket 1's cost ratio (1.5), the
-    # next ones for bucket 8's own (0.5: plain-step count).
-    first_on = math.ceil(CFG.max_probe_interval * 1.5) + 1 + 2 * (CFG.max_probe_interval + 1)
+    # The third probe warmed t_draft and switched; the first waited for bucket 1's cost ratio (1.5, and the
+    # accept length's shortfall at it), the next ones for bucket 8's own (0.5: plain-step count, no shortfall).
+    first_on = math.ceil(CFG.max_probe_interval * 1.5 * (1.05 * 1.5 / 1.3)) + 1 + 2 * (CFG.max_probe_interval + 1)
     assert kinds[:first_on].count(True) == 3 and all(kinds[first_on:first_on + CFG.probe_interval])
 
 
@@ -312,12 +314,24 @@ def test_same_timings_give_the_same_decisions():
 
 def test_probes_of_a_losing_draft_are_spaced_by_their_cost():
     """While drafting is off, the probe interval counts plain-step time: a drafted probe that costs 3 plain
-    steps comes 3x less often than one that costs about as much as a plain step, so both spend the same share."""
+    steps comes 3x less often than one that costs about as much as a plain step, so both spend the same share
+    (both drafts lose by the same 1%, so their accept lengths fall equally short)."""
     cheap, costly = AdaptiveSpeculation(CFG), AdaptiveSpeculation(CFG)
-    a = drive(cheap, 1, 300, t_draft=0.101, tokens=1.0, t_plain=0.10)[6:]
-    b = drive(costly, 1, 300, t_draft=0.30, tokens=1.0, t_plain=0.10)[6:]
+    a = drive(cheap, 1, 400, t_draft=0.101, tokens=1.0, t_plain=0.10)[6:]
+    b = drive(costly, 1, 400, t_draft=0.30, tokens=2.97, t_plain=0.10)[6:]
     assert cheap.buckets[1].drafting is False and costly.buckets[1].drafting is False
-    assert gaps(a, True)[-3:] == [18, 18, 18] and gaps(b, True)[-3:] == [49, 49, 49]  # ceil(16 x 1.01), 3 x 16, + the probe
+    # ceil(16 x 1.01 x 1.06) and ceil(16 x 3 x 1.06), + the probe
+    assert gaps(a, True)[-3:] == [19, 19, 19] and gaps(b, True)[-3:] == [52, 52, 52]
+
+
+def test_a_draft_further_from_paying_is_probed_less_often():
+    """Drafting pays again only once the accept length reaches (1 + margin) x the cost ratio: a draft that needs
+    it to double probes half as often as one just short of it."""
+    near, far = AdaptiveSpeculation(CFG), AdaptiveSpeculation(CFG)
+    a = drive(near, 1, 400, t_draft=0.30, tokens=3.0, t_plain=0.10)[6:]
+    b = drive(far, 1, 400, t_draft=0.30, tokens=1.575, t_plain=0.10)[6:]
+    assert near.buckets[1].drafting is False and far.buckets[1].drafting is False
+    assert gaps(a, True)[-2:] == [52, 52] and gaps(b, True)[-2:] == [97, 97]  # ceil(16 x 3 x 1.05 x 3 / L), + 1
 
 
 def test_drafting_off_reads_the_choice_without_changing_it():
