@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("plain", "spec", "adaptive")
+VARIANTS = ("plain", "spec", "adaptive", "draft-off")
 
 
 def _load_bench(name: str):
@@ -66,7 +66,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="B; default: the checkpoint's")
     p.add_argument("--variants", nargs="+", default=["plain", "spec"], choices=VARIANTS,
                    help="plain: no draft; spec: the draft on every step; adaptive: --speculative-adaptive "
-                        "(draft only while it pays, the default server's setting); the first is the baseline")
+                        "(draft only while it pays, the default server's setting); draft-off: the draft loaded but never "
+                        "run (--speculative-disable-by-batch-size 1: what keeping its context K/V costs); the first is "
+                        "the baseline")
     p.add_argument("--rounds", type=int, default=2, help="Interleaved rounds (the order flips every round); medians")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--num-prompts", type=int, default=16)
@@ -107,7 +109,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                  "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
                  "speculative_token_map": token_map}
     extras = {"plain": {}, "spec": {**spec_args, "speculative_adaptive": False},
-              "adaptive": {**spec_args, "speculative_adaptive": True}}
+              "adaptive": {**spec_args, "speculative_adaptive": True},
+              "draft-off": {**spec_args, "speculative_adaptive": False, "speculative_disable_by_batch_size": 1}}
     runs: dict[str, dict[int, list]] = {v: {c: [] for c in args.concurrency} for v in args.variants}
     for r in range(args.rounds):
         for name in args.variants if r % 2 == 0 else args.variants[::-1]:
