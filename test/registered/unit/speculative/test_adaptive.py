@@ -118,7 +118,7 @@ def test_a_bigger_bucket_starts_off_when_a_smaller_one_does_not_draft():
     kinds = drive(p, 8, 40, t_draft=0.45, tokens=1.3, t_plain=0.15)
     b = p.buckets[8]
     assert b.prior.sources == (1,) and b.drafting is False and b.interval == CFG.max_probe_interval
-    # The first drafted step is the probe after the inherited interval, not a warm-up; it counts plain-step
+    # The first drafted step is the probe after the interval taken from bucket 1, not a warm-up; it counts plain-step
     # time at bucket 1's cost ratio (1.5, a lower bound of bucket 8's) and the shortfall of the accept length at
     # it (1.05 x 1.5 / 1.3), the next one at bucket 8's own (3).
     first = math.ceil(CFG.max_probe_interval * 1.5 * (1.05 * 1.5 / 1.3))
@@ -141,7 +141,7 @@ def test_a_smaller_bucket_starts_on_when_a_bigger_one_drafts():
     assert p.buckets[2].prior is None and p.buckets[2].drafting is True
 
 
-def test_an_inherited_choice_yields_to_the_buckets_own_timings():
+def test_a_choice_from_neighbours_yields_to_the_buckets_own_timings():
     """If the ordering does not hold (the draft pays at 8 but not at 1), bucket 8 finds out once its probes
     have timed drafting warmup_steps times, and switches."""
     p = AdaptiveSpeculation(CFG)
@@ -155,7 +155,7 @@ def test_an_inherited_choice_yields_to_the_buckets_own_timings():
     assert kinds[:first_on].count(True) == 3 and all(kinds[first_on:first_on + CFG.probe_interval])
 
 
-def test_an_inherited_choice_lasts_only_while_the_neighbour_keeps_it():
+def test_a_choice_from_neighbours_lasts_only_while_they_settle_it():
     """Bucket 1 switches drafting on (the reply turned repetitive) before bucket 8's probes could time drafting:
     bucket 8 no longer follows an "off" that nothing supports, and measures, drafting first."""
     p = AdaptiveSpeculation(CFG)
