@@ -1,8 +1,11 @@
 """AdaptiveSpeculation, the measured cost model of --speculative-adaptive, fed synthetic step timings."""
 
 import math
+import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglite.srt.speculative.adaptive import AcceptEstimate, AdaptiveSpecConfig, AdaptiveSpeculation, bucket_of
 
@@ -348,6 +351,39 @@ def test_drafting_off_reads_the_choice_without_changing_it():
     q = AdaptiveSpeculation(CFG)
     drive(q, 1, 6, t_draft=0.15, tokens=3.0, t_plain=0.10)
     assert q.buckets[1].drafting is True and not q.drafting_off(1)
+
+
+# Traffic in phases: a batch size between 1 and 64, an accept length (1 to 5 tokens per request) and a length in
+# steps. A drafted step costs more plain steps the bigger the batch (1.45 at 1, ~11 at 64); step times jitter.
+TRAFFIC = st.lists(st.tuples(st.integers(1, 64), st.floats(1.0, 5.0), st.integers(1, 80)), min_size=1, max_size=12)
+
+
+def replay(phases, seed):
+    """Feed the traffic through a fresh policy; check the invariants after every step; return its choices."""
+    rng = random.Random(seed)
+    p = AdaptiveSpeculation(CFG)
+    threshold = 1.0 + CFG.margin
+    kinds = []
+    for bs, tokens, n in phases:
+        for _ in range(n):
+            t_plain = (0.04 + 0.002 * bs) * rng.uniform(0.9, 1.1)
+            drafted = p.should_draft(bs)
+            p.record(bs, drafted, t_plain * (1.3 + 0.15 * bs) if drafted else t_plain, tokens if drafted else 1.0)
+            kinds.append(drafted)
+            b = p.buckets[bucket_of(bs)]
+            if b.warm():  # a warm bucket's choice is its own timings' verdict, as of its latest step
+                assert b.drafting == (p.gain(bs) >= threshold) and b.prior is None
+            if b.prior is not None:  # a choice taken from neighbours names timed, decided buckets
+                assert all(src in p.buckets and p.buckets[src].drafting is not None for src in b.prior.sources)
+                assert b.prior.ratio > 0.0 and bucket_of(bs) not in b.prior.sources
+            assert all(p._probe_gap(other) >= 1 for other in p.buckets.values())
+    return kinds
+
+
+@settings(max_examples=100, deadline=None)
+@given(TRAFFIC, st.integers(0, 2**16))
+def test_on_any_traffic_the_policy_keeps_its_invariants_and_is_deterministic(phases, seed):
+    assert replay(phases, seed) == replay(phases, seed)
 
 
 def test_bad_input_is_a_clear_error():
