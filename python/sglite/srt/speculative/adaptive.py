@@ -194,6 +194,11 @@ class AdaptiveSpeculation:
         self.accept = AcceptEstimate(self.config.accept_window)  # committed tokens per request per drafted step
 
     @property
+    def threshold(self) -> float:
+        """The gain (drafted over plain throughput) at or above which a bucket drafts: 1 + margin."""
+        return 1.0 + self.config.margin
+
+    @property
     def tokens(self) -> Optional[float]:
         """The estimated accept length L (bonus included), None before the first drafted step."""
         return self.accept.mean if self.accept.count else None
@@ -235,7 +240,7 @@ class AdaptiveSpeculation:
         }
         lower = max((k for k in timed if k < key), default=None)
         upper = min((k for k in timed if k > key), default=None)
-        threshold = 1.0 + self.config.margin
+        threshold = self.threshold
         if lower is not None and self.tokens / timed[lower] < threshold:
             return CostPrior(timed[lower], False, (lower,), self.buckets[lower].interval)
         if upper is not None and self.tokens / timed[upper] >= threshold:
@@ -255,7 +260,7 @@ class AdaptiveSpeculation:
         b = self.buckets.get(bucket_of(batch_size))
         if b is None or not b.warm() or self.tokens is None:
             raise ValueError(f"bucket {bucket_of(batch_size)} has not measured both kinds of step yet")
-        return self.tokens * b.t_plain / b.t_draft
+        return self._own_gain(b)  # warm: the EMAs' ratio, the very number record() decides on
 
     def _own_gain(self, b: BucketState) -> Optional[float]:
         """The gain from this bucket's own timings, warm or provisional (None while a kind has no sample)."""
@@ -301,7 +306,7 @@ class AdaptiveSpeculation:
         ratio = max(1.0, ratio or 1.0)
         # The further from paying, the rarer the probes: drafting pays again only once L reaches
         # (1 + margin) x ratio, so a bucket that needs L to double probes half as often.
-        shortfall = max(1.0, (1.0 + self.config.margin) * ratio / self.tokens) if self.tokens else 1.0
+        shortfall = max(1.0, self.threshold * ratio / self.tokens) if self.tokens else 1.0
         return math.ceil(b.interval * ratio * shortfall)
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens_per_req: float = 1.0) -> None:
@@ -321,7 +326,7 @@ class AdaptiveSpeculation:
         if b.drafting is not None:
             b.since_probe = 0 if probe else b.since_probe + 1
         gain = self._own_gain(b)
-        threshold = 1.0 + self.config.margin
+        threshold = self.threshold
         if gain is None or not (b.warm() or self._clear(gain, threshold)):
             return  # measuring, or a neighbour's choice: until warm, the bucket's own timings act only when clear
         drafts = gain >= threshold
