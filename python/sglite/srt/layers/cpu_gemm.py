@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglite.srt.layers.cpu_small_m import small_m_kernel, small_m_linear
+
 logger = logging.getLogger(__name__)
 
 # The M a pack is tuned for: a decode batch. Any M is computed correctly with it.
@@ -87,10 +89,18 @@ def _linear_with_pack(
     rows = x.numel() // x.shape[-1]
     if not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
         return F.linear(x, weight, bias)
+    small = small_m_linear(x, weight, bias)  # 2-8 rows: one pass over the column-major weight
+    if small is not None:
+        return small
+    return _pack_linear(x, packed, weight, bias)
+
+
+def _pack_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x W^T + b`` through the packed copy (any number of rows)."""
     # oneDNN's pack keeps the weight's [out, in] shape; MKL's is a flat [elements, 1] buffer.
     if packed.shape == weight.shape:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // x.shape[-1])
 
 
 # ``sglite::packed_linear``: ``_linear_with_pack`` as a registered op, for compiled forwards
@@ -155,7 +165,7 @@ def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) ->
             t0 = time.process_time()
             for rows, xs in inputs.items():
                 for w, p in zip(probe, packs[name]):
-                    _linear_with_pack(xs[w.shape[1]], p, w, None)
+                    _pack_linear(xs[w.shape[1]], p, w, None)
             best[name] = min(best[name], time.process_time() - t0)
     probe_ms = {name: t * 1e3 for name, t in best.items()}
     return PackChoice(layout=min(probe_ms, key=probe_ms.get), probe_ms=probe_ms, probe_bytes=size)
@@ -179,6 +189,7 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto") -> Optional[Pac
         raise ValueError(f"CPU pack layout {layout!r} is not available in this torch build (have {layouts})")
     for module in modules:
         module.packed_weight = pack_weight(module.weight, choice.layout)
+    small_m_kernel()  # built (or loaded from torch's extension cache) now, not on the first 2-8 row step
     if choice.probe_ms:
         timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in choice.probe_ms.items())
         logger.info(

@@ -1,0 +1,154 @@
+// y = x W^T for a few rows of x (M = 1..8), fp32, on the [out, in] row-major weight.
+//
+// At decode and verify batch sizes a linear layer is a stream of its weight from memory. BLAS packs do
+// several passes of compute per weight block and let the stream stall while they run (docs/benchmarks.md,
+// "A small-M CPU kernel"). Here every weight element is loaded once and multiplied into all M rows while
+// it is in a register: each 4-row block of W keeps M x 4 vector accumulators, and the next block's rows are
+// prefetched while this one is computed, so the loop stays close to the bandwidth-bound M = 1 gemv.
+// Vector width comes from GCC's vector extension: AVX-512 where -march=native has it, else split by the
+// compiler (AVX2).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kRowsPerBlock = 4;
+typedef float vec16 __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vec16 load(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned
+  return v;
+}
+
+inline float lane_sum(vec16 v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// Rows [n0, n0 + R) of y for all M rows of x; prefetches the rows one block further on.
+template <int M, int R>
+void rows_block(const float* x, int64_t ldx, const float* w, int64_t N, int64_t K, float* y, int64_t n0) {
+  vec16 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = vec16{};
+  const int64_t prefetch_row = n0 + kRowsPerBlock < N ? n0 + kRowsPerBlock : n0;
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    vec16 wv[R];
+    for (int r = 0; r < R; ++r) {
+      wv[r] = load(w + (n0 + r) * K + k);
+      __builtin_prefetch(w + (prefetch_row + r) * K + k, 0, 3);
+    }
+    for (int m = 0; m < M; ++m) {
+      const vec16 xv = load(x + m * ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] += xv * wv[r];
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < R; ++r) {
+      float s = lane_sum(acc[m][r]);
+      for (int64_t t = k; t < K; ++t) s += x[m * ldx + t] * w[(n0 + r) * K + t];
+      y[m * N + n0 + r] = s;
+    }
+  }
+}
+
+template <int M>
+void small_m(const float* x, int64_t ldx, const float* w, int64_t N, int64_t K, float* y) {
+  const int64_t blocks = N / kRowsPerBlock;
+  // 16 blocks (64 output columns) per task: small enough to split a 576-wide layer across threads.
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) rows_block<M, kRowsPerBlock>(x, ldx, w, N, K, y, b * kRowsPerBlock);
+  });
+  for (int64_t n = blocks * kRowsPerBlock; n < N; ++n) rows_block<M, 1>(x, ldx, w, N, K, y, n);
+}
+
+
+// The same product on the column-major weight (the transpose of a contiguous [in, out] tensor, the CPU layout
+// of layers/utils.new_weight_matrix). Its k-rows are read in order, kKRows at a time, each over the thread's
+// whole column range, so the weight is one sequential stream per k-row; y's rows (M x N floats, in L1/L2)
+// take the sums, one load and store per kKRows weight vectors.
+constexpr int kKRows = 8;
+
+template <int M, int KB>
+void k_rows(const float* x, int64_t ldx, const float* wt, int64_t N, int64_t k, int64_t n0, int64_t n1, float* y) {
+  vec16 xs[M][KB];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < KB; ++j) xs[m][j] = vec16{} + x[m * ldx + k + j];
+  int64_t n = n0;
+  for (; n + kLanes <= n1; n += kLanes) {
+    vec16 wv[KB];
+    for (int j = 0; j < KB; ++j) wv[j] = load(wt + (k + j) * N + n);
+    for (int m = 0; m < M; ++m) {
+      vec16 acc = load(y + m * N + n);
+      for (int j = 0; j < KB; ++j) acc += xs[m][j] * wv[j];
+      std::memcpy(y + m * N + n, &acc, sizeof(acc));
+    }
+  }
+  for (; n < n1; ++n)  // the range's last columns, fewer than a vector
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < KB; ++j) y[m * N + n] += x[m * ldx + k + j] * wt[(k + j) * N + n];
+}
+
+template <int M>
+void small_m_t(const float* x, int64_t ldx, const float* wt, int64_t N, int64_t K, float* y) {
+  std::memset(y, 0, sizeof(float) * M * N);
+  // Threads split the columns in multiples of a vector, 256 at least (1 KB runs of each k-row).
+  const int64_t chunks = (N + 255) / 256;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t n0 = c0 * 256, n1 = std::min<int64_t>(N, c1 * 256);
+    int64_t k = 0;
+    for (; k + kKRows <= K; k += kKRows) k_rows<M, kKRows>(x, ldx, wt, N, k, n0, n1, y);
+    for (; k < K; ++k) k_rows<M, 1>(x, ldx, wt, N, k, n0, n1, y);
+  });
+}
+
+}  // namespace
+
+torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_m_linear: x [M, K] and w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_m_linear: fp32 only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_m_linear: CPU tensors only");
+  TORCH_CHECK(x.stride(1) == 1, "small_m_linear: rows of x must be contiguous");
+  const bool row_major = w.is_contiguous();
+  TORCH_CHECK(row_major || w.t().is_contiguous(), "small_m_linear: w must be row- or column-major");
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1), ldx = x.stride(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#define SGLITE_SMALL_M_CASE(ROWS) \
+  case ROWS: \
+    if (row_major) small_m<ROWS>(xp, ldx, wp, N, K, yp); else small_m_t<ROWS>(xp, ldx, wp, N, K, yp); \
+    break;
+  switch (M) {
+    SGLITE_SMALL_M_CASE(1)
+    SGLITE_SMALL_M_CASE(2)
+    SGLITE_SMALL_M_CASE(3)
+    SGLITE_SMALL_M_CASE(4)
+    SGLITE_SMALL_M_CASE(5)
+    SGLITE_SMALL_M_CASE(6)
+    SGLITE_SMALL_M_CASE(7)
+    SGLITE_SMALL_M_CASE(8)
+    default: TORCH_CHECK(false, "small_m_linear: M must be 1..8, got ", M);
+  }
+#undef SGLITE_SMALL_M_CASE
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_m_linear", &small_m_linear, "y = x W^T for 1..8 rows of x (fp32, CPU)");
+}
