@@ -13,7 +13,8 @@ before/after A/B); ``--pack-layout`` forces one of its two packs. ``compiled``: 
 graph against the eager forward on the same batches, alternated per step, with the largest logit difference
 and greedy flips. ``gemm``: the model's four layer weight shapes (``--copies`` distinct copies of each, so
 that a step's stream from memory is timed, not cached reads) and its LM head, one call each, best of 5
-interleaved rounds: ``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed (``mkldnn::_linear_pointwise``).
+interleaved rounds: ``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed (``mkldnn::_linear_pointwise``),
+and up to 8 rows sglite's small-M kernel (``layers/cpu_small_m.py``).
 ``spec-step``: where a DFLASH step's CPU time goes at batch 1 on the default pair (random-token prompts,
 greedy): the draft block, the target's verify, acceptance, the context K/V write, and the whole step.
 ``spec-disable``: an in-process Scheduler on the toy pair (or
@@ -173,6 +174,9 @@ def gemm(args: argparse.Namespace) -> None:
         return dict(cm=w.t().contiguous().t(), mkl=torch.ops.mkl._mkl_reorder_linear_weight(w, 32),
                     dnn=torch.ops.mkldnn._reorder_linear_weight(w, 32), ph=w)
 
+    from sglite.srt.layers.cpu_small_m import SMALL_M_MAX_ROWS, small_m_kernel
+
+    small_m = small_m_kernel()  # layers/cpu_small_m.py, for rows 1..8 (None where it cannot be built)
     *layer_shapes, head_shape = SHAPES[args.shapes]
     groups = {"layers": [(k, layouts(torch.randn(n, k) * 0.02)) for _ in range(args.copies) for k, n in layer_shapes],
               "head": [(head_shape[0], layouts(torch.randn(head_shape[1], head_shape[0]) * 0.02))]}
@@ -181,6 +185,8 @@ def gemm(args: argparse.Namespace) -> None:
         cells = []
         for group, weights in groups.items():
             best = {"column-major": [], "mkl-packed": [], "onednn-packed": []}
+            if small_m is not None and m <= SMALL_M_MAX_ROWS:
+                best["small-m"] = []
             for _ in range(5):
                 for meth in best:
                     t0 = time.process_time()
@@ -189,8 +195,10 @@ def gemm(args: argparse.Namespace) -> None:
                             F.linear(xs[k], d["cm"])
                         elif meth == "mkl-packed":
                             torch.ops.mkl._mkl_linear(xs[k], d["mkl"], d["ph"], None, m)
-                        else:
+                        elif meth == "onednn-packed":
                             torch.ops.mkldnn._linear_pointwise(xs[k], d["dnn"], None, "none", [], "")
+                        else:  # on the layouts sglite keeps: column-major layers, the tied head's row-major embedding
+                            small_m(xs[k], d["cm"] if group == "layers" else d["ph"])
                     best[meth].append(time.process_time() - t0)
             cells.append(f"{group}: " + " ".join(f"{meth} {min(v) * 1e3:.1f}" for meth, v in best.items()))
         print(f"M {m:>5} (ms)  " + "  |  ".join(cells), flush=True)
