@@ -14,7 +14,7 @@ graph against the eager forward on the same batches, alternated per step, with t
 and greedy flips. ``gemm``: the model's four layer weight shapes (``--copies`` distinct copies of each, so
 that a step's stream from memory is timed, not cached reads) and its LM head, one call each, best of 5
 interleaved rounds: ``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed (``mkldnn::_linear_pointwise``),
-and up to 8 rows sglite's small-M kernel (``layers/cpu_small_m.py``).
+and up to 16 rows sglite's small-M kernel (``layers/cpu_small_m.py``).
 ``spec-step``: where a DFLASH step's CPU time goes at batch 1 on the default pair (random-token prompts,
 greedy): the draft block, the target's verify, acceptance, the context K/V write, and the whole step.
 ``spec-disable``: an in-process Scheduler on the toy pair (or
@@ -176,7 +176,7 @@ def gemm(args: argparse.Namespace) -> None:
 
     from sglite.srt.layers.cpu_small_m import SMALL_M_MAX_ROWS, small_m_kernel
 
-    small_m = small_m_kernel()  # layers/cpu_small_m.py, for rows 1..8 (None where it cannot be built)
+    small_m = small_m_kernel()  # layers/cpu_small_m.py, for rows 1..16 (None where it cannot be built)
     *layer_shapes, head_shape = SHAPES[args.shapes]
     groups = {"layers": [(k, layouts(torch.randn(n, k) * 0.02)) for _ in range(args.copies) for k, n in layer_shapes],
               "head": [(head_shape[0], layouts(torch.randn(head_shape[1], head_shape[0]) * 0.02))]}

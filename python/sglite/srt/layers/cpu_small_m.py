@@ -1,8 +1,9 @@
-"""A CPU fp32 kernel for linear layers at 2-8 rows: one pass over the weight for all rows (csrc/small_m_linear.cpp).
+"""A CPU fp32 kernel for linear layers at 2-16 rows: one pass over the weight for all rows (csrc/small_m_linear.cpp).
 
-A decode step at batch 2-8, and a DFLASH verify block at batch 1 (5 rows), is a stream of the weights from
-memory. The BLAS packs (layers/cpu_gemm.py) cost 1.25x the one-row gemv at 5 rows and 1.4x at 8 on SmolLM2's
-shapes, one thread; this kernel costs 1.1x and 1.2x (docs/benchmarks.md, "A small-M CPU kernel").
+A decode step at batch 2-16, and a DFLASH verify block at batch 1-3 (5 rows a request), is a stream of the
+weights from memory. Over SmolLM2's layers and head, one thread, the best BLAS pack (layers/cpu_gemm.py) costs
+1.41x the one-row gemv at 5 rows, 1.58x at 8 and 1.93x at 16; this kernel 1.12x, 1.25x and 1.75x
+(docs/benchmarks.md, "A small-M CPU kernel"). Past ~24 rows the packs' compute kernels win.
 
 It is C++ built on first use with torch's extension builder (ninja and the host's C++ compiler, ``-march=native``)
 into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later processes
@@ -24,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SMALL_M_MIN_ROWS = 2  # one row is a gemv, already bandwidth-bound through F.linear
-SMALL_M_MAX_ROWS = 8  # the kernel's largest template; beyond it the weight would be streamed twice
+SMALL_M_MAX_ROWS = 16  # at 16 rows 0.91x the best pack's time, at 24 about level
 SOURCE = Path(__file__).with_name("csrc") / "small_m_linear.cpp"
 ENV_SWITCH = "SGLITE_CPU_SMALL_M_KERNEL"
 
@@ -40,7 +41,7 @@ def small_m_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Te
     try:
         module = _build()
     except Exception as e:  # a missing compiler or ninja, a failed build: the packs serve these rows instead
-        logger.warning("CPU small-M kernel not built (%s: %s); 2-8 row GEMMs use the BLAS pack", type(e).__name__, e)
+        logger.warning("CPU small-M kernel not built (%s: %s); 2-16 row GEMMs use the BLAS pack", type(e).__name__, e)
         return None
     return module.small_m_linear
 
@@ -70,7 +71,7 @@ def _build():
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``x W^T + b`` through the kernel when it applies (2-8 rows, fp32 CPU, no autograd), else None."""
+    """``x W^T + b`` through the kernel when it applies (2-16 rows, fp32 CPU, no autograd), else None."""
     rows = x.numel() // x.shape[-1]
     if not SMALL_M_MIN_ROWS <= rows <= SMALL_M_MAX_ROWS or x.dtype != torch.float32:
         return None

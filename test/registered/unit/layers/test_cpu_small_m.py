@@ -1,4 +1,4 @@
-"""cpu_small_m: the 2-8 row kernel gives F.linear's products on row- and column-major weights, and cpu_gemm routes to it."""
+"""cpu_small_m: the 2-16 row kernel gives F.linear's products on row- and column-major weights, and cpu_gemm routes to it."""
 
 import os
 import shutil
@@ -92,7 +92,7 @@ def test_cpu_gemm_routes_two_to_eight_rows_to_the_kernel(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "small_m_linear", spy)
     w = column_major(64, 32)
     packed = cpu_gemm.pack_weight(w, cpu_gemm.available_pack_layouts()[0])
-    for rows, by_kernel in [(1, None), (2, True), (8, True), (9, False)]:
+    for rows, by_kernel in [(1, None), (2, True), (SMALL_M_MAX_ROWS, True), (SMALL_M_MAX_ROWS + 1, False)]:
         calls.clear()
         x = torch.randn(rows, 32)
         assert_same_dot_products(cpu_gemm.linear(x, w, None, packed), x, w)

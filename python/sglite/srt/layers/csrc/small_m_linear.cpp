@@ -1,4 +1,4 @@
-// y = x W^T for a few rows of x (M = 1..8), fp32, on a row-major [out, in] weight or a column-major one.
+// y = x W^T for a few rows of x (M = 1..16), fp32, on a row-major [out, in] weight or a column-major one.
 //
 // At decode and verify batch sizes a linear layer is a stream of its weight from memory. The BLAS packs do
 // several passes of compute per weight block and let the stream stall while they run (docs/benchmarks.md,
@@ -19,6 +19,7 @@ namespace {
 
 constexpr int kLanes = 16;
 constexpr int kRowsPerBlock = 4;
+constexpr int kMaxRowsPerCall = 8;
 typedef float vec16 __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vec16 load(const float* p) {
@@ -66,14 +67,26 @@ void rows_block(const float* x, int64_t ldx, const float* w, int64_t N, int64_t 
   }
 }
 
+// Up to 8 rows of x per call of rows_block (their accumulators fill the vector registers); more rows take a
+// second call on the same weight block while it is still in L1.
+template <int M, int R>
+void rows_block_all(const float* x, int64_t ldx, const float* w, int64_t N, int64_t K, float* y, int64_t n0) {
+  if constexpr (M <= kMaxRowsPerCall) {
+    rows_block<M, R>(x, ldx, w, N, K, y, n0);
+  } else {
+    rows_block<kMaxRowsPerCall, R>(x, ldx, w, N, K, y, n0);
+    rows_block<M - kMaxRowsPerCall, R>(x + kMaxRowsPerCall * ldx, ldx, w, N, K, y + kMaxRowsPerCall * N, n0);
+  }
+}
+
 template <int M>
 void small_m(const float* x, int64_t ldx, const float* w, int64_t N, int64_t K, float* y) {
   const int64_t blocks = N / kRowsPerBlock;
   // 16 blocks (64 output columns) per task: small enough to split a 576-wide layer across threads.
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) rows_block<M, kRowsPerBlock>(x, ldx, w, N, K, y, b * kRowsPerBlock);
+    for (int64_t b = b0; b < b1; ++b) rows_block_all<M, kRowsPerBlock>(x, ldx, w, N, K, y, b * kRowsPerBlock);
   });
-  for (int64_t n = blocks * kRowsPerBlock; n < N; ++n) rows_block<M, 1>(x, ldx, w, N, K, y, n);
+  for (int64_t n = blocks * kRowsPerBlock; n < N; ++n) rows_block_all<M, 1>(x, ldx, w, N, K, y, n);
 }
 
 
@@ -149,12 +162,20 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& w) {
     SGLITE_SMALL_M_CASE(6)
     SGLITE_SMALL_M_CASE(7)
     SGLITE_SMALL_M_CASE(8)
-    default: TORCH_CHECK(false, "small_m_linear: M must be 1..8, got ", M);
+    SGLITE_SMALL_M_CASE(9)
+    SGLITE_SMALL_M_CASE(10)
+    SGLITE_SMALL_M_CASE(11)
+    SGLITE_SMALL_M_CASE(12)
+    SGLITE_SMALL_M_CASE(13)
+    SGLITE_SMALL_M_CASE(14)
+    SGLITE_SMALL_M_CASE(15)
+    SGLITE_SMALL_M_CASE(16)
+    default: TORCH_CHECK(false, "small_m_linear: M must be 1..16, got ", M);
   }
 #undef SGLITE_SMALL_M_CASE
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_m_linear", &small_m_linear, "y = x W^T for 1..8 rows of x (fp32, CPU)");
+  m.def("small_m_linear", &small_m_linear, "y = x W^T for 1..16 rows of x (fp32, CPU)");
 }
