@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from sglite.srt.configs.cache_dir import sglite_cache_dir
 from sglite.srt.configs.gguf_header import GGUFHeader, read_gguf_header
 
 # GGUF ``general.architecture`` -> the HF architecture our registry builds.
@@ -64,12 +65,7 @@ def resolved_load_format(model_path: Optional[str], load_format: str = "auto") -
 
 
 def _cache_root() -> str:
-    # SGLITE_CACHE_DIR lets the test suite (and read-only homes) keep the metadata folders out of ~/.cache.
-    base = os.environ.get("SGLITE_CACHE_DIR")
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(xdg, "sglite")
-    return os.path.join(base, "gguf")
+    return sglite_cache_dir("gguf")
 
 
 def _cache_key(gguf_file: str) -> str:

@@ -5,22 +5,31 @@ weights from memory. Over SmolLM2's layers and head, one thread, the best BLAS p
 1.41x the one-row gemv at 5 rows, 1.58x at 8 and 1.93x at 16; this kernel 1.12x, 1.25x and 1.75x
 (docs/benchmarks.md, "A small-M CPU kernel"). Past ~24 rows the packs' compute kernels win.
 
-It is C++ built on first use with torch's extension builder (ninja and the host's C++ compiler, ``-march=native``)
-into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later processes
-load the cached build. Without a compiler it is not built, a warning says why, and the packs serve those rows.
-``SGLITE_CPU_SMALL_M_KERNEL=0`` turns it off (for A/Bs).
+It is plain C++ (no torch headers), compiled on first use with the host's C++ compiler (``$CXX``, else ``c++`` or
+``g++``; ``-O3 -march=native -fopenmp``, ~3 s, while a first start loads the weights) into sglite's cache
+(``$SGLITE_CACHE_DIR``, else ``~/.cache/sglite``, under ``kernels/``, keyed by source, flags, compiler and CPU),
+and called through ctypes; later processes load the cached library. Without a compiler it is not built, a warning
+says why, and the packs serve those rows. ``SGLITE_CPU_SMALL_M_KERNEL=0`` turns it off (A/Bs).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
 import logging
 import os
+import platform
+import shutil
+import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from sglite.srt.configs.cache_dir import sglite_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -28,46 +37,87 @@ SMALL_M_MIN_ROWS = 2  # one row is a gemv, already bandwidth-bound through F.lin
 SMALL_M_MAX_ROWS = 16  # at 16 rows 0.91x the best pack's time, at 24 about level
 SOURCE = Path(__file__).with_name("csrc") / "small_m_linear.cpp"
 ENV_SWITCH = "SGLITE_CPU_SMALL_M_KERNEL"
+BUILD_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_BUILD_LOCK = threading.Lock()  # one build per process; a second caller waits for it
+
+
+def start_building_small_m_kernel() -> None:
+    """Build (or load) the kernel in a background thread, so a first start compiles it while the weights load."""
+    threading.Thread(target=small_m_kernel, name="sglite-small-m-build", daemon=True).start()
+
+
+def small_m_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The built ``small_m_linear(x [M, K], w [N, K]) -> [M, N]``, or None (switched off, not x86, or no compiler)."""
+    with _BUILD_LOCK:
+        return _load_kernel()
 
 
 @functools.cache
-def small_m_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-    """The built ``small_m_linear(x [M, K], w [N, K]) -> [M, N]``, or None (switched off, not x86, or no compiler)."""
+def _load_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         logger.info("CPU small-M kernel: off (%s=0)", ENV_SWITCH)
         return None
-    if not torch.backends.mkldnn.is_available():  # x86 builds have it; the kernel's flags assume a GCC-like x86 host
+    if platform.machine() not in ("x86_64", "AMD64"):  # the vector code and -march=native assume x86
         return None
     try:
-        module = _build()
-    except Exception as e:  # a missing compiler or ninja, a failed build: the packs serve these rows instead
-        logger.warning("CPU small-M kernel not built (%s: %s); 2-16 row GEMMs use the BLAS pack", type(e).__name__, e)
+        lib = ctypes.CDLL(str(_build()))
+    except Exception as e:  # no compiler, a failed build: the packs serve these rows instead
+        logger.warning("CPU small-M kernel not built (%s); 2-16 row GEMMs use the BLAS pack", e)
         return None
-    return module.small_m_linear
+    fn = lib.sglite_small_m_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int]
+
+    def small_m(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        (m, k), n = x.shape, w.shape[0]
+        if not (1 <= m <= SMALL_M_MAX_ROWS and w.shape[1] == k and x.stride(1) == 1):
+            raise ValueError(f"small_m_linear: x {tuple(x.shape)} (rows contiguous, 1-{SMALL_M_MAX_ROWS}) and w {tuple(w.shape)}")
+        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or w.device.type != "cpu":
+            raise ValueError("small_m_linear: fp32 CPU tensors only")
+        row_major = w.is_contiguous()
+        if not (row_major or w.t().is_contiguous()):
+            raise ValueError("small_m_linear: w must be row- or column-major")
+        y = torch.empty(m, n, dtype=torch.float32)
+        fn(x.data_ptr(), x.stride(0), w.data_ptr(), n, k, y.data_ptr(), m, int(row_major))
+        return y
+
+    return small_m
 
 
-def _build():
-    from torch.utils import cpp_extension
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
+    return cxx
 
+
+def _cpu_identity() -> bytes:
+    """The host CPU's model and feature flags (-march=native builds for them), where /proc/cpuinfo says."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
+
+
+def _build() -> Path:
+    """The compiled library's path, compiling it first unless a process already did (same source, flags, CPU)."""
+    cxx, source = _compiler(), SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(BUILD_FLAGS).encode(), cxx.encode(), _cpu_identity()]))
+    lib = Path(sglite_cache_dir("kernels")) / f"small_m_linear-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
     t0 = time.perf_counter()
-    path = os.environ.get("PATH", "")
-    try:
-        import ninja  # a dependency; its binary is not on PATH when the venv is not activated
-
-        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{path}"
-    except ImportError:
-        pass
-    try:
-        module = cpp_extension.load(
-            name="sglite_small_m_linear",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native"],
-            verbose=False,
-        )
-    finally:
-        os.environ["PATH"] = path
-    logger.info("CPU small-M kernel: ready in %.1f s (%d-%d rows)", time.perf_counter() - t0, SMALL_M_MIN_ROWS, SMALL_M_MAX_ROWS)
-    return module
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_name(f".{lib.name}.{os.getpid()}.{threading.get_ident()}")
+    proc = subprocess.run([cxx, *BUILD_FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-500:]}")
+    os.replace(tmp, lib)  # atomic: a concurrent builder's library is the same; whichever lands last stays
+    logger.info("CPU small-M kernel: compiled in %.1f s into %s", time.perf_counter() - t0, lib)
+    return lib
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

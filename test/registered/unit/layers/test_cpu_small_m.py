@@ -11,7 +11,7 @@ from sglite.srt.layers import cpu_gemm, cpu_small_m
 from sglite.srt.layers.cpu_small_m import SMALL_M_MAX_ROWS, SMALL_M_MIN_ROWS, small_m_kernel, small_m_linear
 
 SUITE = "unit-cpu"
-EST_TIME = 30  # the first run on a host builds the kernel (~25 s); later ones load torch's cached build
+EST_TIME = 15  # two compiles of the kernel (~3 s each) and ~180 small products
 
 HAS_CXX = shutil.which(os.environ.get("CXX", "c++")) is not None
 pytestmark = pytest.mark.skipif(
@@ -72,12 +72,12 @@ def test_small_m_linear_declines_what_the_kernel_does_not_cover():
 
 def test_the_env_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(cpu_small_m.ENV_SWITCH, "0")
-    small_m_kernel.cache_clear()
+    cpu_small_m._load_kernel.cache_clear()
     try:
         assert small_m_kernel() is None
         assert small_m_linear(torch.randn(4, 16), column_major(32, 16), None) is None
     finally:
-        small_m_kernel.cache_clear()
+        cpu_small_m._load_kernel.cache_clear()
 
 
 def test_cpu_gemm_routes_two_to_eight_rows_to_the_kernel(monkeypatch):
@@ -97,3 +97,35 @@ def test_cpu_gemm_routes_two_to_eight_rows_to_the_kernel(monkeypatch):
         x = torch.randn(rows, 32)
         assert_same_dot_products(cpu_gemm.linear(x, w, None, packed), x, w)
         assert calls == ([] if by_kernel is None else [True] if by_kernel else [False])
+
+
+def test_the_library_lives_in_sglites_cache_keyed_by_source_and_host(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path))
+    lib = cpu_small_m._build()
+    assert lib.parent == tmp_path / "kernels" and lib.name.startswith("small_m_linear-") and lib.exists()
+    built_at = lib.stat().st_mtime_ns
+    assert cpu_small_m._build() == lib and lib.stat().st_mtime_ns == built_at  # a second process loads it as is
+    assert [p.name for p in lib.parent.iterdir()] == [lib.name]  # no temporary file left behind
+
+
+def test_a_failed_build_is_a_warning_and_the_packs_serve(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
+    cpu_small_m._load_kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=cpu_small_m.__name__):
+            assert small_m_kernel() is None
+        assert "CPU small-M kernel not built" in caplog.text and "failed" in caplog.text
+        assert not list((tmp_path / "kernels").iterdir())
+    finally:
+        cpu_small_m._load_kernel.cache_clear()
+
+
+def test_the_kernel_refuses_what_it_cannot_read():
+    kernel = small_m_kernel()
+    with pytest.raises(ValueError, match="rows contiguous"):
+        kernel(torch.randn(SMALL_M_MAX_ROWS + 1, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="fp32"):
+        kernel(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="row- or column-major"):
+        kernel(torch.randn(2, 8), torch.randn(4, 16)[:, ::2])
