@@ -36,7 +36,7 @@ from sglite.srt.managers.io_struct import (
     finish_abort,
     TopLogprobs,
 )
-from sglite.srt.mem_cache.paging import request_kv_slots
+from sglite.srt.mem_cache.paging import max_new_tokens_that_fit, request_kv_slots
 from sglite.srt.managers.template_manager import apply_chat_template_arg
 from sglite.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
 
@@ -222,8 +222,15 @@ class TokenizerManager:
                 f"The input ({n_in} tokens) is longer than the model's context length ({self.context_len} tokens).",
                 "prompt",
             )
+        capacity = self.scheduler_info.max_total_num_tokens
+        page = max(1, int(getattr(self.server_args, "page_size", 1) or 1))
+        decode_slots = self.scheduler_info.num_decode_tokens_per_req
+        prefill_only = getattr(self.server_args, "disaggregation_mode", None) == "prefill"
         if sp_dict.get("max_new_tokens") is None:
-            room = min(self.context_len, self.scheduler_info.max_total_num_tokens) - n_in
+            # What the context and the pool leave, by the pool check's own formula (a speculative step holds a
+            # block of slots beyond the last token), so a request without max_tokens is never refused for it.
+            fits = capacity - n_in if prefill_only else max_new_tokens_that_fit(n_in, capacity, page, decode_slots)
+            room = min(self.context_len - n_in, fits)
             params.max_new_tokens = max(1, room if fill_context else min(DEFAULT_MAX_NEW_TOKENS, room))
         try:
             params.verify(self.vocab_size)
@@ -237,11 +244,8 @@ class TokenizerManager:
                 f"and {params.max_new_tokens} tokens for the completion. Reduce the prompt or max_tokens.",
                 "max_tokens",
             )
-        capacity = self.scheduler_info.max_total_num_tokens
-        page = max(1, int(getattr(self.server_args, "page_size", 1) or 1))
         need = request_kv_slots(  # the scheduler's own formula: it would abort what does not fit
-            n_in, params.max_new_tokens, page, self.scheduler_info.num_decode_tokens_per_req,
-            prefill_only=getattr(self.server_args, "disaggregation_mode", None) == "prefill",
+            n_in, params.max_new_tokens, page, decode_slots, prefill_only=prefill_only
         )
         if need > capacity:
             raise RequestValidationError(

@@ -40,3 +40,8 @@ def request_kv_slots(
     if prefill_only:
         return round_up_to_page(prompt_len, page_size)
     return round_up_to_page(prompt_len + max_new_tokens - 1 + decode_tokens_per_step, page_size)
+
+
+def max_new_tokens_that_fit(prompt_len: int, capacity: int, page_size: int, decode_tokens_per_step: int = 1) -> int:
+    """The most new tokens a request of ``prompt_len`` can ask for with ``request_kv_slots`` <= ``capacity`` (may be < 1)."""
+    return floor_to_page(capacity, page_size) - prompt_len + 1 - decode_tokens_per_step

@@ -24,6 +24,7 @@ from sglite.srt.managers.tokenizer_manager import (
     RequestValidationError,
     TokenizerManager,
 )
+from sglite.srt.mem_cache.paging import request_kv_slots
 from sglite.srt.server_args import ServerArgs
 
 SUITE = "unit-cpu"
@@ -64,6 +65,24 @@ def test_tokenize_text_and_defaults(tm_and_sched, tiny_tokenizer):
     assert f.sampling_params.max_new_tokens == min(CONTEXT, CAPACITY) - 2
     [e] = tm.tokenize_request(GenerateReqInput(input_ids=[5, 6], sampling_params={"max_new_tokens": 3, "stop": "x"}))
     assert e.sampling_params.max_new_tokens == 3 and e.sampling_params.stop == ["x"]
+
+
+@pytest.mark.parametrize("decode_slots", [1, 5])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_request_without_max_tokens_fits_the_pool_under_speculation(tiny_tokenizer, decode_slots, page_size):
+    # A DFLASH step holds a block of 5 slots per request beyond its last token: the default max_new_tokens leaves
+    # room for it, so a chat request with no max_tokens is served, not refused by the pool check (it was, on the
+    # default pair: "needs 4061 KV slots but the server's KV pool holds 4057").
+    pa = PortArgs.create()
+    info = SchedulerReady(max_total_num_tokens=CAPACITY, max_running_requests=8, context_len=CONTEXT, vocab_size=512,
+                          num_decode_tokens_per_req=decode_slots)
+    tm = TokenizerManager(ServerArgs(model_path="x", page_size=page_size), pa, tiny_tokenizer, info)
+    try:
+        [f] = tm.tokenize_request(GenerateReqInput(input_ids=[5, 6, 7]), fill_context=True)
+        need = request_kv_slots(3, f.sampling_params.max_new_tokens, page_size, decode_slots)
+        assert need <= CAPACITY < request_kv_slots(3, f.sampling_params.max_new_tokens + 1, page_size, decode_slots)
+    finally:
+        tm.close()
 
 
 @pytest.mark.parametrize(
