@@ -2,8 +2,8 @@
 
 A decode step at batch 2-16, and a DFLASH verify block at batch 1-3 (5 rows a request), is a stream of the
 weights from memory. Over SmolLM2's layers and head, one thread, the best BLAS pack (layers/cpu_gemm.py) costs
-1.41x the one-row gemv at 5 rows, 1.58x at 8 and 1.93x at 16; this kernel 1.12x, 1.25x and 1.75x
-(docs/benchmarks.md, "A small-M CPU kernel"). Past ~24 rows the packs' compute kernels win.
+1.42x the one-row gemv at 5 rows, 1.56x at 8 and 1.91x at 16; this kernel 1.20x, 1.34x and 1.73x
+(docs/benchmarks.md, "A small-M CPU kernel").
 
 It is plain C++ (no torch headers), compiled on first use with the host's C++ compiler (``$CXX``, else ``c++`` or
 ``g++``; ``-O3 -march=native -fopenmp``, ~3 s, while a first start loads the weights) into sglite's cache
@@ -34,7 +34,7 @@ from sglite.srt.configs.cache_dir import sglite_cache_dir
 logger = logging.getLogger(__name__)
 
 SMALL_M_MIN_ROWS = 2  # one row is a gemv, already bandwidth-bound through F.linear
-SMALL_M_MAX_ROWS = 16  # at 16 rows 0.91x the best pack's time, at 24 about level
+SMALL_M_MAX_ROWS = 16  # at 16 rows 0.91x the best pack's time; at 40-64 the packs won (docs/benchmarks.md)
 SOURCE = Path(__file__).with_name("csrc") / "small_m_linear.cpp"
 ENV_SWITCH = "SGLITE_CPU_SMALL_M_KERNEL"
 BUILD_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")

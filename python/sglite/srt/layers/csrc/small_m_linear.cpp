@@ -6,6 +6,7 @@
 // is in a register, and the weight is prefetched ahead of the loop, so the cost stays close to the
 // bandwidth-bound M = 1 gemv. Vector width comes from GCC's vector extension: AVX-512 where -march=native
 // has it, else split by the compiler (AVX2).
+//
 // Plain C++ with a C entry point, loaded with ctypes (layers/cpu_small_m.py): without torch's headers it compiles
 // in ~3 s instead of ~25. Threads come from OpenMP; the process already has torch's libgomp.so.1 loaded, so the
 // loops share torch's pool and its set_num_threads.
