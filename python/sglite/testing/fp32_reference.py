@@ -29,3 +29,16 @@ def fp32_atol(ref32: torch.Tensor, ref64: torch.Tensor, floor: float) -> float:
     """``floor``, or REFERENCE_ERROR_FACTOR times the reference's own fp32 error where that is larger."""
     own_error = float((ref32.double() - ref64.double()).abs().max())
     return max(floor, REFERENCE_ERROR_FACTOR * own_error)
+
+
+def assert_same_dot_products(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: Any = None) -> None:
+    """got == x @ w.T (+ b) up to summation order: within twice Higham's gamma_K of the float64 product.
+
+    Any order of K products (+ bias) errs by at most K * 2^-24 * sum|terms|, so two orders differ by at most
+    twice that; BLAS kernels and sglite's own CPU kernels pick the order by shape and CPU ISA.
+    """
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    terms = x.abs().double() @ w.abs().double().t() + (0 if b is None else b.abs().double())
+    bound = 2 * (x.shape[-1] + 1) * 2.0**-24 * terms
+    assert got.shape == want.shape
+    assert bool(((got.double() - want).abs() <= bound).all())

@@ -189,7 +189,7 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto") -> Optional[Pac
         raise ValueError(f"CPU pack layout {layout!r} is not available in this torch build (have {layouts})")
     for module in modules:
         module.packed_weight = pack_weight(module.weight, choice.layout)
-    small_m_kernel()  # built (or loaded from torch's extension cache) now, not on the first 2-16 row step
+    small_m_kernel()  # compiled (or loaded from sglite's cache) now, not on the first 2-16 row step
     if choice.probe_ms:
         timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in choice.probe_ms.items())
         logger.info(

@@ -85,11 +85,9 @@ def _load_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tens
     return small_m
 
 
-def _compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
-    return cxx
+def cxx_compiler() -> Optional[str]:
+    """The compiler the kernel is built with: ``$CXX``, else ``c++`` or ``g++`` on PATH (None when there is none)."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
 def _cpu_identity() -> bytes:
@@ -103,7 +101,9 @@ def _cpu_identity() -> bytes:
 
 def _build() -> Path:
     """The compiled library's path, compiling it first unless a process already did (same source, flags, CPU)."""
-    cxx, source = _compiler(), SOURCE.read_bytes()
+    cxx, source = cxx_compiler(), SOURCE.read_bytes()
+    if not cxx:
+        raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
     key = hashlib.sha256(b"\0".join([source, " ".join(BUILD_FLAGS).encode(), cxx.encode(), _cpu_identity()]))
     lib = Path(sglite_cache_dir("kernels")) / f"small_m_linear-{key.hexdigest()[:16]}.so"
     if lib.exists():

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator
@@ -16,6 +15,7 @@ from sglite.srt.layers.cpu_gemm import (
 )
 from sglite.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglite.testing.fp32_reference import assert_same_dot_products
 
 SUITE = "unit-cpu"
 EST_TIME = 2
@@ -25,14 +25,6 @@ pytestmark = pytest.mark.skipif(not available_pack_layouts(), reason="torch buil
 
 def tp1() -> GroupCoordinator:
     return GroupCoordinator([0], 0, "tp", device_group=None)
-
-
-def assert_same_dot_products(got, x, w, b=None):
-    """got == x @ w.T (+ b) up to summation order (Higham's bound, twice, for two orders)."""
-    want = F.linear(x.double(), w.double(), None if b is None else b.double())
-    terms = x.abs().double() @ w.abs().double().t() + (0 if b is None else b.abs().double())
-    bound = 2 * (x.shape[-1] + 1) * 2.0**-24 * terms
-    assert bool(((got.double() - want).abs() <= bound).all())
 
 
 class Holder(nn.Module):

@@ -1,31 +1,20 @@
 """cpu_small_m: the 2-16 row kernel gives F.linear's products on row- and column-major weights, and cpu_gemm routes to it."""
 
-import os
 import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sglite.srt.layers import cpu_gemm, cpu_small_m
 from sglite.srt.layers.cpu_small_m import SMALL_M_MAX_ROWS, SMALL_M_MIN_ROWS, small_m_kernel, small_m_linear
+from sglite.testing.fp32_reference import assert_same_dot_products
 
 SUITE = "unit-cpu"
 EST_TIME = 15  # two compiles of the kernel (~3 s each) and ~180 small products
 
-HAS_CXX = shutil.which(os.environ.get("CXX", "c++")) is not None
 pytestmark = pytest.mark.skipif(
-    not (HAS_CXX and torch.backends.mkldnn.is_available()), reason="needs a C++ compiler and an x86 torch build"
+    cpu_small_m.cxx_compiler() is None or not torch.backends.mkldnn.is_available(), reason="needs a C++ compiler and an x86 torch build"
 )
-
-
-def assert_same_dot_products(got, x, w, b=None):
-    """got == x @ w.T (+ b) up to summation order (Higham's bound, twice, for two orders)."""
-    want = F.linear(x.double(), w.double(), None if b is None else b.double())
-    terms = x.abs().double() @ w.abs().double().t() + (0 if b is None else b.abs().double())
-    bound = 2 * (x.shape[-1] + 1) * 2.0**-24 * terms
-    assert got.shape == want.shape
-    assert bool(((got.double() - want).abs() <= bound).all())
 
 
 def column_major(out_features: int, in_features: int) -> torch.Tensor:
