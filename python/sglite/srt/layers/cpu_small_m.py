@@ -39,6 +39,9 @@ SOURCE = Path(__file__).with_name("csrc") / "small_m_linear.cpp"
 ENV_SWITCH = "SGLITE_CPU_SMALL_M_KERNEL"
 BUILD_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_LOCK = threading.Lock()  # one build per process; a second caller waits for it
+# Libraries kept in the cache: the most recently used ones (one per source version, compiler and CPU that shares
+# the cache dir); older ones are deleted after a build, so upgrades do not pile up ~130 KB files forever.
+KEPT_LIBRARIES = 4
 
 
 def start_building_small_m_kernel() -> None:
@@ -107,7 +110,7 @@ def _build() -> Path:
     key = hashlib.sha256(b"\0".join([source, " ".join(BUILD_FLAGS).encode(), cxx.encode(), _cpu_identity()]))
     lib = Path(sglite_cache_dir("kernels")) / f"small_m_linear-{key.hexdigest()[:16]}.so"
     if lib.exists():
-        return lib
+        return lib  # its mtime is when it was built (or last pruned past), not touched on every load
     t0 = time.perf_counter()
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f".{lib.name}.{os.getpid()}.{threading.get_ident()}")
@@ -117,7 +120,22 @@ def _build() -> Path:
         raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-500:]}")
     os.replace(tmp, lib)  # atomic: a concurrent builder's library is the same; whichever lands last stays
     logger.info("CPU small-M kernel: compiled in %.1f s into %s", time.perf_counter() - t0, lib)
+    _prune_old_libraries(lib)
     return lib
+
+
+def _prune_old_libraries(keep: Path) -> None:
+    """Delete all but the KEPT_LIBRARIES newest built libraries beside ``keep`` (which always stays).
+
+    A process that still has a deleted library mapped keeps using it (POSIX unlink semantics); a later start
+    that needs it again rebuilds it (~3 s).
+    """
+    built = sorted(keep.parent.glob("small_m_linear-*.so"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    stale = [p for p in built if p != keep][KEPT_LIBRARIES - 1 :]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        logger.info("CPU small-M kernel: removed %d older libraries from %s", len(stale), keep.parent)
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -99,8 +99,8 @@ class ModelRunner:
         # 2. Memory before weights.
         self._free_bytes_before_load = None if is_draft else self._measure_free_memory()
 
-        # 3. Weights (a first start on a CPU host compiles the small-M GEMM kernel meanwhile).
-        if self.device.type == "cpu" and not is_draft:
+        # 3. Weights (a first start on a CPU host compiles the small-M GEMM kernel meanwhile; it serves fp32 only).
+        if self.device.type == "cpu" and not is_draft and self.dtype == torch.float32:
             start_building_small_m_kernel()
         self.model = load_model(
             self.model_config, path, self.device, self.dtype, show_progress=self.tp_rank == 0 and not is_draft

@@ -1,5 +1,6 @@
 """cpu_small_m: the 2-16 row kernel gives F.linear's products on row- and column-major weights, and cpu_gemm routes to it."""
 
+import os
 import shutil
 
 import pytest
@@ -95,6 +96,22 @@ def test_the_library_lives_in_sglites_cache_keyed_by_source_and_host(monkeypatch
     built_at = lib.stat().st_mtime_ns
     assert cpu_small_m._build() == lib and lib.stat().st_mtime_ns == built_at  # a second process loads it as is
     assert [p.name for p in lib.parent.iterdir()] == [lib.name]  # no temporary file left behind
+
+
+def test_a_build_keeps_only_the_newest_libraries(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path))
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    old = [kernels / f"small_m_linear-{i:016x}.so" for i in range(cpu_small_m.KEPT_LIBRARIES + 2)]
+    for age, path in enumerate(old):  # old[0] newest, old[-1] oldest, all older than the build below
+        path.write_bytes(b"stale")
+        os.utime(path, ns=(1_000_000_000 * (1000 - age),) * 2)
+    unrelated = kernels / "other-kernel.so"
+    unrelated.write_bytes(b"not ours")
+    lib = cpu_small_m._build()
+    kept = sorted(p.name for p in kernels.glob("small_m_linear-*.so"))
+    assert kept == sorted([lib.name] + [p.name for p in old[: cpu_small_m.KEPT_LIBRARIES - 1]])
+    assert unrelated.exists()  # only the kernel's own libraries are pruned
 
 
 def test_a_failed_build_is_a_warning_and_the_packs_serve(monkeypatch, tmp_path, caplog):
