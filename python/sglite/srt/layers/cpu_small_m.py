@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("csrc") / "small_m_linear.cpp"
 ENV_SWITCH = "SGLITE_CPU_SMALL_M_KERNEL"
 BUILD_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_LOCK = threading.Lock()  # one build per process; a second caller waits for it
-# Libraries kept in the cache: the most recently used ones (one per source version, compiler and CPU that shares
+# Libraries kept in the cache: the newest built ones, by mtime (one per source version, compiler and CPU that shares
 # the cache dir); older ones are deleted after a build, so upgrades do not pile up ~130 KB files forever.
 KEPT_LIBRARIES = 4
 
@@ -110,7 +110,7 @@ def _build() -> Path:
     key = hashlib.sha256(b"\0".join([source, " ".join(BUILD_FLAGS).encode(), cxx.encode(), _cpu_identity()]))
     lib = Path(sglite_cache_dir("kernels")) / f"small_m_linear-{key.hexdigest()[:16]}.so"
     if lib.exists():
-        return lib  # its mtime is when it was built (or last pruned past), not touched on every load
+        return lib  # loading does not touch its mtime: pruning ranks libraries by when they were built
     t0 = time.perf_counter()
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f".{lib.name}.{os.getpid()}.{threading.get_ident()}")
