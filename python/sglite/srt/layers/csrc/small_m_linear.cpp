@@ -128,6 +128,20 @@ void k_rows(const float* x, int64_t ldx, const float* wt, int64_t N, int64_t K, 
       for (int j = 0; j < KB; ++j) y[m * N + n] += x[m * ldx + k + j] * wt[(k + j) * N + n];
 }
 
+// More rows than kColRowsPerCall take further calls over the same k-rows while they are still in L2 (their
+// broadcast x values and accumulators must fit the vector registers).
+constexpr int kColRowsPerCall = 8;
+
+template <int M, int KB>
+void k_rows_all(const float* x, int64_t ldx, const float* wt, int64_t N, int64_t K, int64_t k, int64_t n0, int64_t n1, float* y) {
+  if constexpr (M <= kColRowsPerCall) {
+    k_rows<M, KB>(x, ldx, wt, N, K, k, n0, n1, y);
+  } else {
+    k_rows<kColRowsPerCall, KB>(x, ldx, wt, N, K, k, n0, n1, y);
+    k_rows_all<M - kColRowsPerCall, KB>(x + kColRowsPerCall * ldx, ldx, wt, N, K, k, n0, n1, y + kColRowsPerCall * N);
+  }
+}
+
 template <int M>
 void small_m_t(const float* x, int64_t ldx, const float* wt, int64_t N, int64_t K, float* y) {
   std::memset(y, 0, sizeof(float) * M * N);
@@ -140,8 +154,8 @@ void small_m_t(const float* x, int64_t ldx, const float* wt, int64_t N, int64_t 
     const int64_t n0 = std::min<int64_t>(N, vectors * t / threads * kLanes);
     const int64_t n1 = t + 1 == threads ? N : std::min<int64_t>(N, vectors * (t + 1) / threads * kLanes);
     int64_t k = 0;
-    for (; k + kKRows <= K; k += kKRows) k_rows<M, kKRows>(x, ldx, wt, N, K, k, n0, n1, y);
-    for (; k < K; ++k) k_rows<M, 1>(x, ldx, wt, N, K, k, n0, n1, y);
+    for (; k + kKRows <= K; k += kKRows) k_rows_all<M, kKRows>(x, ldx, wt, N, K, k, n0, n1, y);
+    for (; k < K; ++k) k_rows_all<M, 1>(x, ldx, wt, N, K, k, n0, n1, y);
   }
 }
 
