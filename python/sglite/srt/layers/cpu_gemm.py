@@ -13,10 +13,17 @@ PACKED_MAX_ROWS`` and the column-major weight (layers/utils.new_weight_matrix) s
 price is a second copy of the weights in memory (vLLM's CPU build drops the original, paying at M = 1
 and at prefill instead). Both packs are M-independent (checked against ``F.linear`` at M = 1..1000), so
 one pack serves every batch.
+
+At 2-16 rows sglite's small-M kernel (layers/cpu_small_m.py) may beat the pack, or not: on session 13's host it
+did at 5-16 rows, on an AMD EPYC (AVX-512) one thread the pack won at 4, 12 and 16 rows and the head's
+row-major product at every count (docs/benchmarks.md, "The small-M kernel chosen per row count, session 15").
+So the probe also times the kernel against the chosen pack at ``SMALL_M_PROBE_ROWS``, once per weight
+orientation, and each packed weight carries the row counts the kernel serves (``PackedWeight.small_m_rows``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglite.srt.layers.cpu_small_m import small_m_kernel, small_m_linear
+from sglite.srt.layers.cpu_small_m import SMALL_M_MAX_ROWS, SMALL_M_MIN_ROWS, small_m_kernel, small_m_linear
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,25 @@ PROBE_MIN_BYTES = 64 << 20
 PROBE_ROWS = (4, 32)  # a verify block and a decode batch
 PROBE_REPEATS = 3  # best of, per layout
 DEFAULT_PACK_LAYOUT = "onednn"
+# Row counts at which the small-M kernel is timed against the pack; an untimed count r takes the verdict of the
+# first probed count >= r (a DFLASH verify block is 5 rows a request, a decode step 1 a request).
+SMALL_M_PROBE_ROWS = (2, 4, 8, 12, 16)
+# Bit r set: the kernel serves r-row products. Every count it covers, for weights too few to time (test models).
+ALL_SMALL_M_ROWS = sum(1 << r for r in range(SMALL_M_MIN_ROWS, SMALL_M_MAX_ROWS + 1))
+ORIENTATIONS = ("column-major", "row-major")  # layers (utils.new_weight_matrix) / a tied head's embedding
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight's packed copy, and the row counts that take the small-M kernel instead (bit r for r rows)."""
+
+    tensor: torch.Tensor
+    small_m_rows: int = ALL_SMALL_M_ROWS
+
+
+def orientation(weight: torch.Tensor) -> str:
+    """The small-M kernel's name for a weight's memory layout: "row-major" when contiguous, else "column-major"."""
+    return "row-major" if weight.is_contiguous() else "column-major"
 
 
 def mkl_packing_available() -> bool:
@@ -71,27 +97,29 @@ def pack_weight(weight: torch.Tensor, layout: str) -> torch.Tensor:
     raise ValueError(f"unknown CPU pack layout {layout!r}; expected one of {PACK_LAYOUTS}")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]) -> torch.Tensor:
     """``x W^T + b``: through the packed copy for decode-sized batches when the layer has one, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         # One opaque op: Inductor cannot lower ``_mkl_linear`` on a packed weight it did not make
         # itself, and the row-count choice stays at run time (no shape guard, one graph for all M).
-        return torch.ops.sglite.packed_linear(x, packed, weight, bias)
-    return _linear_with_pack(x, packed, weight, bias)
+        return torch.ops.sglite.packed_linear(x, packed.tensor, weight, bias, packed.small_m_rows)
+    return _linear_with_pack(x, packed.tensor, weight, bias, packed.small_m_rows)
 
 
 def _linear_with_pack(
-    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], small_m_rows: int
 ) -> torch.Tensor:
-    """The packed copy for ``PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS``, ``F.linear`` on the weight otherwise."""
+    """The packed copy for ``PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS`` (the small-M kernel at the row counts set
+    in ``small_m_rows``), ``F.linear`` on the weight otherwise."""
     rows = x.numel() // x.shape[-1]
     if not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
         return F.linear(x, weight, bias)
-    small = small_m_linear(x, weight, bias)  # 2-16 rows: one pass over the column-major weight
-    if small is not None:
-        return small
+    if rows <= SMALL_M_MAX_ROWS and small_m_rows >> rows & 1:
+        small = small_m_linear(x, weight, bias)
+        if small is not None:
+            return small
     return _pack_linear(x, packed, weight, bias)
 
 
@@ -107,11 +135,11 @@ def _pack_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bi
 # (model_executor/compiled_decode_runner.py). A plain Library registration: torch.library.custom_op's
 # Python wrapper costs ~50 us a call, ~120 calls a step.
 _LIB = torch.library.Library("sglite", "DEF")
-_LIB.define("packed_linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.define("packed_linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias, int small_m_rows) -> Tensor")
 
 
 def _packed_linear_fake(
-    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], small_m_rows: int
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -139,6 +167,21 @@ class PackChoice:
     # per layout: the probe set's GEMMs at PROBE_ROWS, best of PROBE_REPEATS
     probe_ms: dict[str, float] = field(default_factory=dict)
     probe_bytes: int = 0  # weight bytes the probe streamed per pass
+    # per orientation: the row counts the small-M kernel serves (PackedWeight.small_m_rows); untimed: all it covers
+    small_m_rows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ORIENTATIONS, ALL_SMALL_M_ROWS))
+    # per orientation timed: {rows: (kernel ms, pack ms)} at SMALL_M_PROBE_ROWS, best of PROBE_REPEATS
+    small_m_probe_ms: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+
+
+def _probe_prefix(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """The first weights that reach PROBE_MIN_BYTES (past the caches, so a pass times the weight stream), and their bytes."""
+    probe, size = [], 0
+    for w in weights:
+        if size >= PROBE_MIN_BYTES:
+            break
+        probe.append(w)
+        size += w.numel() * w.element_size()
+    return probe, size
 
 
 def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) -> PackChoice:
@@ -148,12 +191,7 @@ def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) ->
     weight) however large the model. Timed in process CPU time (``time.process_time``), which is steadier
     than wall time on a shared box.
     """
-    probe, size = [], 0
-    for w in weights:
-        if size >= PROBE_MIN_BYTES:
-            break
-        probe.append(w)
-        size += w.numel() * w.element_size()
+    probe, size = _probe_prefix(weights)
     if len(layouts) == 1 or size < PROBE_MIN_BYTES:
         layout = DEFAULT_PACK_LAYOUT if DEFAULT_PACK_LAYOUT in layouts else layouts[0]
         return PackChoice(layout=layout)
@@ -171,26 +209,88 @@ def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) ->
     return PackChoice(layout=min(probe_ms, key=probe_ms.get), probe_ms=probe_ms, probe_bytes=size)
 
 
-def pack_weights_for_cpu(model: nn.Module, layout: str = "auto") -> Optional[PackChoice]:
+def choose_small_m_rows(weights: list[torch.Tensor], layout: str) -> tuple[int, dict[int, tuple[float, float]]]:
+    """The row counts (bitmask) at which the small-M kernel beats ``layout``'s pack on these weights (one orientation).
+
+    The first PROBE_MIN_BYTES of them, both ways at each of SMALL_M_PROBE_ROWS, interleaved, best of PROBE_REPEATS
+    in wall time (the kernel and the pack split a product over threads differently, and CPU time counts a thread
+    that spins as busy); a count r between probes takes the verdict of the first probed count >= r. Too few bytes
+    to time past the caches: every count the kernel covers. No kernel (switched off, no compiler): none.
+    Returns the mask and {rows: (kernel ms, pack ms)} (empty when untimed).
+    """
+    if small_m_kernel() is None:
+        return 0, {}
+    probe, size = _probe_prefix(weights)
+    if size < PROBE_MIN_BYTES:
+        return ALL_SMALL_M_ROWS, {}
+    packs = [pack_weight(w, layout) for w in probe]
+    best = {rows: [float("inf"), float("inf")] for rows in SMALL_M_PROBE_ROWS}
+    for _ in range(PROBE_REPEATS):
+        for rows in SMALL_M_PROBE_ROWS:
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in probe}
+            for i, by_kernel in enumerate((True, False)):
+                t0 = time.perf_counter()
+                for w, p in zip(probe, packs):
+                    x = xs[w.shape[1]]
+                    if by_kernel:
+                        small_m_linear(x, w, None)
+                    else:
+                        _pack_linear(x, p, w, None)
+                best[rows][i] = min(best[rows][i], time.perf_counter() - t0)
+    timed = {rows: (k * 1e3, p * 1e3) for rows, (k, p) in best.items()}
+    return small_m_rows_where_faster(timed), timed
+
+
+def small_m_rows_where_faster(timed: dict[int, tuple[float, float]]) -> int:
+    """The row-count bitmask from probe timings {probed rows: (kernel, pack)}: a count takes the first probed count's
+    verdict at or above it (the kernel when strictly faster); counts above the last probe are left to the pack."""
+    mask, low = 0, SMALL_M_MIN_ROWS
+    for rows in sorted(timed):
+        kernel, pack = timed[rows]
+        if kernel < pack:
+            mask |= sum(1 << r for r in range(low, rows + 1))
+        low = rows + 1
+    return mask
+
+
+def pack_weights_for_cpu(model: nn.Module, layout: str = "auto", like: Optional[PackChoice] = None) -> Optional[PackChoice]:
     """Give every opted-in fp32 CPU weight of ``model`` a packed copy, in ``layout`` or the probe's choice.
 
-    Returns the choice (None when nothing was packed). A tied LM head gets its own packed copy too (the
-    embedding keeps reading the original).
+    ``like``: another model's choice on this host (a draft packs like its target: its layout and small-M row
+    counts, no probe). Returns the choice (None when nothing was packed). A tied LM head gets its own packed copy
+    too (the embedding keeps reading the original).
     """
     layouts = available_pack_layouts()
     modules = [m for m in model.modules() if _packable(m)]
     if not layouts or not modules:
         return None
-    if layout == "auto":
+    if like is not None:
+        choice = like
+    elif layout == "auto":
         choice = choose_pack_layout([m.weight for m in modules], layouts)
     elif layout in layouts:
         choice = PackChoice(layout=layout)
     else:
         raise ValueError(f"CPU pack layout {layout!r} is not available in this torch build (have {layouts})")
+    if like is None:
+        small_m_rows, small_m_probe_ms = {}, {}
+        for side in ORIENTATIONS:
+            weights = [m.weight for m in modules if orientation(m.weight) == side]
+            small_m_rows[side], timed = choose_small_m_rows(weights, choice.layout)
+            if timed:
+                small_m_probe_ms[side] = timed
+        choice = dataclasses.replace(choice, small_m_rows=small_m_rows, small_m_probe_ms=small_m_probe_ms)
     for module in modules:
-        module.packed_weight = pack_weight(module.weight, choice.layout)
-    small_m_kernel()  # compiled (or loaded from sglite's cache) now, not on the first 2-16 row step
-    if choice.probe_ms:
+        module.packed_weight = PackedWeight(
+            pack_weight(module.weight, choice.layout), choice.small_m_rows[orientation(module.weight)]
+        )
+    for side, timed in choice.small_m_probe_ms.items() if like is None else ():
+        logger.info(
+            "CPU GEMM: small-M kernel on %s weights at rows %s (kernel / %s pack ms at %s)",
+            side, _row_list(choice.small_m_rows[side]) or "none", choice.layout,
+            ", ".join(f"{rows}: {k:.1f} / {p:.1f}" for rows, (k, p) in timed.items()),
+        )
+    if choice.probe_ms and like is None:
         timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in choice.probe_ms.items())
         logger.info(
             "CPU GEMM: %d weights packed for %s (%d-%d rows); probe over %.0f MB of them at %s rows: %s",
@@ -198,3 +298,15 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto") -> Optional[Pac
             " and ".join(map(str, PROBE_ROWS)), timings,
         )
     return choice
+
+
+def _row_list(mask: int) -> str:
+    """A row-count bitmask as ranges, e.g. ``2-8, 13-16``."""
+    rows = [r for r in range(SMALL_M_MIN_ROWS, SMALL_M_MAX_ROWS + 1) if mask >> r & 1]
+    spans: list[list[int]] = []
+    for r in rows:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)

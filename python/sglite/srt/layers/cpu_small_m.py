@@ -34,7 +34,8 @@ from sglite.srt.configs.cache_dir import sglite_cache_dir
 logger = logging.getLogger(__name__)
 
 SMALL_M_MIN_ROWS = 2  # one row is a gemv, already bandwidth-bound through F.linear
-SMALL_M_MAX_ROWS = 16  # at 16 rows 0.91x the best pack's time; at 40-64 the packs won (docs/benchmarks.md)
+SMALL_M_MAX_ROWS = 16  # the most rows the kernel offers; at 40-64 the packs always won. Which rows of 2-16 it
+# serves on a host is timed at start-up (cpu_gemm.choose_small_m_rows), not assumed here
 SOURCE = Path(__file__).with_name("csrc") / "small_m_linear.cpp"
 ENV_SWITCH = "SGLITE_CPU_SMALL_M_KERNEL"
 BUILD_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")

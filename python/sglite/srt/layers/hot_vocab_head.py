@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from sglite.srt.layers.cpu_gemm import linear
+from sglite.srt.layers.cpu_gemm import PackedWeight, linear
 from sglite.srt.layers.utils import new_weight_matrix
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -80,7 +80,7 @@ class HotVocabHead(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.register_buffer("token_ids", ids, persistent=False)
         # cpu_gemm.pack_weights_for_cpu fills this (a module with the slot opts in).
-        self.packed_weight: Optional[torch.Tensor] = None
+        self.packed_weight: Optional[PackedWeight] = None
 
     @property
     def num_tokens(self) -> int:

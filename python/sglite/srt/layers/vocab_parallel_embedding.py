@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator
+from sglite.srt.layers.cpu_gemm import PackedWeight
 from sglite.srt.layers.utils import bind_tp_group, check_full_shape, column_major_weights, new_weight_matrix
 
 
@@ -83,7 +84,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             )
             self.weight.weight_loader = self.weight_loader
         # cpu_gemm.pack_weights_for_cpu fills this after loading (never for a weight tied to the embedding).
-        self.packed_weight: Optional[torch.Tensor] = None
+        self.packed_weight: Optional[PackedWeight] = None
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype), requires_grad=False

@@ -114,12 +114,11 @@ class ModelRunner:
                 self.model.restrict_draft_vocab(
                     load_token_map(server_args.speculative_token_map, target_runner.model_config.vocab_size)
                 )
-        # The CPU pack layout is a fact of the host, timed once on the target's weights: a draft (too few
-        # layers to time past the caches) packs like its target.
+        # The CPU pack layout and the small-M kernel's row counts are facts of the host, timed once on the target's
+        # weights: a draft (too few layers to time past the caches) packs like its target.
         self.cpu_pack: Optional[PackChoice] = None
         if self.device.type == "cpu":
-            target_pack = target_runner.cpu_pack if is_draft else None
-            self.cpu_pack = pack_weights_for_cpu(self.model, target_pack.layout if target_pack else "auto")
+            self.cpu_pack = pack_weights_for_cpu(self.model, like=target_runner.cpu_pack if is_draft else None)
 
         # 4. What the target captures for its draft, and the draft's exact KV price (live attn_tp width).
         # 5. The pool plan, then the pools (a draft reuses the target's plan, allocator and request table).

@@ -1,5 +1,7 @@
 """cpu_gemm: packed CPU weights (oneDNN or MKL) give F.linear's products at every batch size; the probe picks one."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -91,3 +93,59 @@ def test_the_probe_times_every_layout_on_a_prefix_and_keeps_the_fastest(monkeypa
 def test_an_unknown_layout_is_an_error_naming_it():
     with pytest.raises(ValueError, match="'avx9'"):
         pack_weights_for_cpu(Holder(), "avx9")
+
+
+def test_probe_timings_give_the_kernels_row_counts():
+    """Each count takes the verdict of the first probed count at or above it; a tie goes to the pack."""
+    mask = cpu_gemm.small_m_rows_where_faster({2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 2.0), 12: (2.0, 2.0), 16: (1.0, 1.5)})
+    assert [r for r in range(20) if mask >> r & 1] == [2, 5, 6, 7, 8, 13, 14, 15, 16]
+    assert cpu_gemm.small_m_rows_where_faster({2: (2.0, 1.0), 16: (2.0, 1.0)}) == 0
+
+
+def test_a_packed_weight_takes_the_kernel_only_at_its_row_counts(monkeypatch):
+    calls = []
+    real = cpu_gemm.small_m_linear
+
+    def spy(x, weight, bias):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(cpu_gemm, "small_m_linear", spy)
+    m = ReplicatedLinear(32, 64, bias=True)
+    for p in m.parameters():
+        p.data.copy_(torch.randn_like(p))
+    pack_weights_for_cpu(m)
+    m.packed_weight = cpu_gemm.PackedWeight(m.packed_weight.tensor, small_m_rows=1 << 4 | 1 << 9)
+    for rows in range(1, 18):
+        x = torch.randn(rows, 32)
+        assert_same_dot_products(m(x), x, m.weight, m.bias)
+    assert calls == [4, 9]
+
+
+def test_the_probe_times_the_kernel_per_orientation_and_a_draft_takes_the_targets_row_counts(monkeypatch):
+    if cpu_gemm.small_m_kernel() is None:
+        pytest.skip("the small-M kernel is not built here")
+    monkeypatch.setattr(cpu_gemm, "PROBE_MIN_BYTES", 1)  # time the test model's weights (cache hits, any verdict)
+    monkeypatch.setattr(cpu_gemm, "PROBE_REPEATS", 1)
+    target = Holder()
+    target.head.tie_to(target.embed)
+    choice = pack_weights_for_cpu(target)
+    assert set(choice.small_m_probe_ms) == set(cpu_gemm.ORIENTATIONS)  # the layers and the tied head's embedding
+    for side, timed in choice.small_m_probe_ms.items():
+        assert sorted(timed) == list(cpu_gemm.SMALL_M_PROBE_ROWS)
+        assert choice.small_m_rows[side] == cpu_gemm.small_m_rows_where_faster(timed)
+    assert target.qkv.packed_weight.small_m_rows == choice.small_m_rows["column-major"]
+    assert target.head.packed_weight.small_m_rows == choice.small_m_rows["row-major"]
+    like = dataclasses.replace(choice, small_m_rows={"column-major": 1 << 3, "row-major": 1 << 5})
+    draft = Holder()
+    assert pack_weights_for_cpu(draft, like=like) is like
+    assert draft.qkv.packed_weight.small_m_rows == 1 << 3 and draft.rep.packed_weight.small_m_rows == 1 << 3
+
+
+def test_untimed_weights_take_every_kernel_row_count_and_no_kernel_takes_none(monkeypatch):
+    m = Holder()
+    choice = pack_weights_for_cpu(m)  # test-sized: untimed
+    assert choice.small_m_probe_ms == {} and set(choice.small_m_rows.values()) == {cpu_gemm.ALL_SMALL_M_ROWS}
+    assert m.qkv.packed_weight.small_m_rows == cpu_gemm.ALL_SMALL_M_ROWS
+    monkeypatch.setattr(cpu_gemm, "small_m_kernel", lambda: None)
+    assert cpu_gemm.choose_small_m_rows([m.qkv.weight], choice.layout) == (0, {})

@@ -70,7 +70,7 @@ def test_the_env_switch_turns_it_off(monkeypatch):
         cpu_small_m._load_kernel.cache_clear()
 
 
-def test_cpu_gemm_routes_two_to_eight_rows_to_the_kernel(monkeypatch):
+def test_an_untimed_packed_weight_routes_every_count_the_kernel_covers_to_it(monkeypatch):
     calls = []
     real = cpu_gemm.small_m_linear
 
@@ -81,8 +81,8 @@ def test_cpu_gemm_routes_two_to_eight_rows_to_the_kernel(monkeypatch):
 
     monkeypatch.setattr(cpu_gemm, "small_m_linear", spy)
     w = column_major(64, 32)
-    packed = cpu_gemm.pack_weight(w, cpu_gemm.available_pack_layouts()[0])
-    for rows, by_kernel in [(1, None), (2, True), (SMALL_M_MAX_ROWS, True), (SMALL_M_MAX_ROWS + 1, False)]:
+    packed = cpu_gemm.PackedWeight(cpu_gemm.pack_weight(w, cpu_gemm.available_pack_layouts()[0]))
+    for rows, by_kernel in [(1, None), (2, True), (SMALL_M_MAX_ROWS, True), (SMALL_M_MAX_ROWS + 1, None)]:
         calls.clear()
         x = torch.randn(rows, 32)
         assert_same_dot_products(cpu_gemm.linear(x, w, None, packed), x, w)

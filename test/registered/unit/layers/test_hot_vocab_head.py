@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sglite.srt.distributed.parallel_state import GroupCoordinator
-from sglite.srt.layers.cpu_gemm import available_pack_layouts, pack_weight
+from sglite.srt.layers.cpu_gemm import PackedWeight, available_pack_layouts, pack_weight
 from sglite.srt.layers.hot_vocab_head import HotVocabHead, load_token_map
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -57,7 +57,7 @@ def test_a_packed_copy_gives_the_same_logits(layout):
     hot = HotVocabHead(head(), torch.arange(VOCAB - 1, -1, -1))
     hidden = torch.randn(5, DIM)
     plain = hot(hidden)
-    hot.packed_weight = pack_weight(hot.weight, layout)
+    hot.packed_weight = PackedWeight(pack_weight(hot.weight, layout))
     torch.testing.assert_close(hot(hidden), plain, rtol=1e-5, atol=1e-5)
 
 

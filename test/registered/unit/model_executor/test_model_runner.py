@@ -127,7 +127,7 @@ def test_draft_packs_its_cpu_weights_like_its_target(dflash_pair, rank0, monkeyp
     draft = ModelRunner(args, is_draft=True, target_runner=target)
     assert target.cpu_pack.layout == draft.cpu_pack.layout == "mkl"
     packed = [m for m in draft.model.modules() if m.__dict__.get("packed_weight") is not None]
-    assert packed and all(m.packed_weight.shape != m.weight.shape for m in packed)  # MKL's flat buffers
+    assert packed and all(m.packed_weight.tensor.shape != m.weight.shape for m in packed)  # MKL's flat buffers
 
 
 def test_bfloat16_runner(model_dir, rank0):
