@@ -33,7 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglite.srt.layers.cpu_small_m import SMALL_M_MAX_ROWS, SMALL_M_MIN_ROWS, small_m_kernel, small_m_linear
+from sglite.srt.layers.cpu_small_m import (
+    SMALL_M_MAX_ROWS,
+    SMALL_M_MIN_ROWS,
+    small_m_kernel,
+    small_m_linear,
+    start_building_small_m_kernel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -148,14 +154,24 @@ _LIB.impl("packed_linear", _linear_with_pack, "CompositeExplicitAutograd")  # a 
 torch.library.register_fake("sglite::packed_linear", _packed_linear_fake, lib=_LIB)
 
 
+def packs_weights_of(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights on ``device`` in ``dtype`` get a CPU pack (and may reach the small-M kernel): fp32 on CPU."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
+def prepare_cpu_gemm(device: torch.device, dtype: torch.dtype) -> None:
+    """Before a model's weights load: start building the small-M kernel when its linears will use it."""
+    if packs_weights_of(device, dtype):
+        start_building_small_m_kernel()  # a first start compiles it (~3-5 s) while the weights load
+
+
 def _packable(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (
         getattr(module, "packed_weight", False) is None  # the layer opted in (see _init_packed_slot)
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 2
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and packs_weights_of(weight.device, weight.dtype)
     )
 
 

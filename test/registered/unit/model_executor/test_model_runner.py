@@ -187,10 +187,10 @@ def test_draft_runs_in_the_target_dtype_whatever_it_stores(dflash_pair, tmp_path
 @pytest.mark.parametrize("dtype, builds", [("float32", True), ("bfloat16", False)])
 def test_a_cpu_target_compiles_the_small_m_kernel_only_for_fp32_weights(model_dir, rank0, monkeypatch, dtype, builds):
     """The 2-16 row kernel serves fp32 linears only, so a bf16 target does not spend a first start compiling it."""
-    from sglite.srt.model_executor import model_runner
+    from sglite.srt.layers import cpu_gemm
 
     calls = []
-    monkeypatch.setattr(model_runner, "start_building_small_m_kernel", lambda: calls.append(True))
+    monkeypatch.setattr(cpu_gemm, "start_building_small_m_kernel", lambda: calls.append(True))
     runner = ModelRunner(ServerArgs(model_path=model_dir, device="cpu", cpu_kv_cache_budget_mb=1, dtype=dtype).validate())
     assert runner.dtype == getattr(torch, dtype)
     assert calls == ([True] if builds else [])
