@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +45,15 @@ logger = logging.getLogger(__name__)
 
 # The M a pack is tuned for: a decode batch. Any M is computed correctly with it.
 _PACK_BATCH_HINT = 32
-# Rows (tokens) for which a packed copy beats sgemm on the column-major weight (measured above).
+# Rows (tokens) for which a packed copy beats sgemm on the column-major weight (measured above). Past
+# PACKED_MAX_ROWS (a prefill chunk, a mixed step, a verify of many requests) it depends on the host, so the probe
+# times it at PREFILL_PROBE_ROWS and may raise a weight's limit (PackedWeight.max_rows).
 PACKED_MIN_ROWS = 2
 PACKED_MAX_ROWS = 64
+PREFILL_PROBE_ROWS = (256, 1024)
+PREFILL_PROBE_BYTES = 8 << 20  # compute-bound at these counts: a small slice times it, and keeps start-up short
+PREFILL_PROBE_REPEATS = 2
+UNBOUNDED_ROWS = 1 << 62  # PackedWeight.max_rows when the pack won at every prefill probe
 
 PACK_LAYOUTS = ("onednn", "mkl")
 # Below this many bytes of packable weights the probe would time cache hits, not the weight stream a
@@ -66,10 +72,12 @@ ORIENTATIONS = ("column-major", "row-major")  # layers (utils.new_weight_matrix)
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight's packed copy, and the row counts that take the small-M kernel instead (bit r for r rows)."""
+    """A weight's packed copy, the most rows it serves, and the row counts that take the small-M kernel instead
+    (bit r for r rows)."""
 
     tensor: torch.Tensor
     small_m_rows: int = ALL_SMALL_M_ROWS
+    max_rows: int = PACKED_MAX_ROWS
 
 
 def orientation(weight: torch.Tensor) -> str:
@@ -110,17 +118,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     if torch.compiler.is_compiling():
         # One opaque op: Inductor cannot lower ``_mkl_linear`` on a packed weight it did not make
         # itself, and the row-count choice stays at run time (no shape guard, one graph for all M).
-        return torch.ops.sglite.packed_linear(x, packed.tensor, weight, bias, packed.small_m_rows)
-    return _linear_with_pack(x, packed.tensor, weight, bias, packed.small_m_rows)
+        return torch.ops.sglite.packed_linear(x, packed.tensor, weight, bias, packed.small_m_rows, packed.max_rows)
+    return _linear_with_pack(x, packed.tensor, weight, bias, packed.small_m_rows, packed.max_rows)
 
 
 def _linear_with_pack(
-    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], small_m_rows: int
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], small_m_rows: int,
+    max_rows: int,
 ) -> torch.Tensor:
-    """The packed copy for ``PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS`` (the small-M kernel at the row counts set
-    in ``small_m_rows``), ``F.linear`` on the weight otherwise."""
+    """The packed copy for ``PACKED_MIN_ROWS <= rows <= max_rows`` (the small-M kernel at the row counts set in
+    ``small_m_rows``), ``F.linear`` on the weight otherwise."""
     rows = x.numel() // x.shape[-1]
-    if not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
+    if not PACKED_MIN_ROWS <= rows <= max_rows:
         return F.linear(x, weight, bias)
     if rows <= SMALL_M_MAX_ROWS and small_m_rows >> rows & 1:
         small = small_m_linear(x, weight, bias)
@@ -141,11 +150,14 @@ def _pack_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bi
 # (model_executor/compiled_decode_runner.py). A plain Library registration: torch.library.custom_op's
 # Python wrapper costs ~50 us a call, ~120 calls a step.
 _LIB = torch.library.Library("sglite", "DEF")
-_LIB.define("packed_linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias, int small_m_rows) -> Tensor")
+_LIB.define(
+    "packed_linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias, int small_m_rows, int max_rows) -> Tensor"
+)
 
 
 def _packed_linear_fake(
-    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], small_m_rows: int
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], small_m_rows: int,
+    max_rows: int,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -187,6 +199,10 @@ class PackChoice:
     small_m_rows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ORIENTATIONS, ALL_SMALL_M_ROWS))
     # per orientation timed: {rows: (kernel ms, pack ms)} at SMALL_M_PROBE_ROWS, best of PROBE_REPEATS
     small_m_probe_ms: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    # per orientation: the most rows the pack serves (PackedWeight.max_rows); untimed: PACKED_MAX_ROWS
+    packed_max_rows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ORIENTATIONS, PACKED_MAX_ROWS))
+    # per orientation timed: {rows: (pack ms, F.linear ms)} at PREFILL_PROBE_ROWS, best of PROBE_REPEATS
+    prefill_probe_ms: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
 
 
 def _probe_prefix(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
@@ -240,21 +256,67 @@ def choose_small_m_rows(weights: list[torch.Tensor], layout: str) -> tuple[int, 
     if size < PROBE_MIN_BYTES:
         return ALL_SMALL_M_ROWS, {}
     packs = [pack_weight(w, layout) for w in probe]
-    best = {rows: [float("inf"), float("inf")] for rows in SMALL_M_PROBE_ROWS}
-    for _ in range(PROBE_REPEATS):
-        for rows in SMALL_M_PROBE_ROWS:
-            xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in probe}
-            for i, by_kernel in enumerate((True, False)):
-                t0 = time.perf_counter()
-                for w, p in zip(probe, packs):
-                    x = xs[w.shape[1]]
-                    if by_kernel:
-                        small_m_linear(x, w, None)
-                    else:
-                        _pack_linear(x, p, w, None)
-                best[rows][i] = min(best[rows][i], time.perf_counter() - t0)
-    timed = {rows: (k * 1e3, p * 1e3) for rows, (k, p) in best.items()}
+    timed = _time_two_ways(
+        probe, SMALL_M_PROBE_ROWS, PROBE_REPEATS,
+        lambda x, i: small_m_linear(x, probe[i], None), lambda x, i: _pack_linear(x, packs[i], probe[i], None),
+    )
     return small_m_rows_where_faster(timed), timed
+
+
+def _time_two_ways(
+    weights: list[torch.Tensor], row_counts: tuple[int, ...], repeats: int,
+    first: Callable[[torch.Tensor, int], object], second: Callable[[torch.Tensor, int], object],
+) -> dict[int, tuple[float, float]]:
+    """{rows: (first ms, second ms)}: each way over all ``weights`` (``way(x, index)``), interleaved, best of
+    ``repeats``, in wall time (the small-M kernel and the packs split a product over threads differently, and CPU
+    time counts a thread that spins as busy)."""
+    best = {rows: [float("inf"), float("inf")] for rows in row_counts}
+    for _ in range(repeats):
+        for rows in row_counts:
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+            for way, fn in enumerate((first, second)):
+                t0 = time.perf_counter()
+                for i, w in enumerate(weights):
+                    fn(xs[w.shape[1]], i)
+                best[rows][way] = min(best[rows][way], time.perf_counter() - t0)
+    return {rows: (a * 1e3, b * 1e3) for rows, (a, b) in best.items()}
+
+
+def choose_packed_max_rows(weights: list[torch.Tensor], layout: str) -> tuple[int, dict[int, tuple[float, float]]]:
+    """The most rows ``layout``'s pack should serve on these weights (one orientation), past PACKED_MAX_ROWS.
+
+    The pack and ``F.linear`` on the weight are timed at PREFILL_PROBE_ROWS on a PREFILL_PROBE_BYTES slice (whole
+    weights, the last cut to its first rows), best of PREFILL_PROBE_REPEATS. Weights too few to time past the
+    caches keep PACKED_MAX_ROWS. Returns the limit and {rows: (pack ms, F.linear ms)} (empty when untimed).
+    """
+    if sum(w.numel() * w.element_size() for w in weights) < PROBE_MIN_BYTES:
+        return PACKED_MAX_ROWS, {}
+    probe, budget = [], PREFILL_PROBE_BYTES // 4
+    for w in weights:
+        if budget <= 0:
+            break
+        cut = w[: max(1, budget // w.shape[1])]
+        probe.append(cut)
+        budget -= cut.numel()
+    packs = [pack_weight(w, layout) for w in probe]
+    timed = _time_two_ways(
+        probe, PREFILL_PROBE_ROWS, PREFILL_PROBE_REPEATS,
+        lambda x, i: _pack_linear(x, packs[i], probe[i], None), lambda x, i: F.linear(x, probe[i]),
+    )
+    return packed_max_rows_where_faster(timed), timed
+
+
+def packed_max_rows_where_faster(timed: dict[int, tuple[float, float]]) -> int:
+    """The pack's row limit from probe timings {probed rows: (pack, F.linear)}: up to the last probed count of an
+    unbroken run of wins from the smallest (a count takes the first probed count's verdict at or above it); every
+    count when it won them all, PACKED_MAX_ROWS when it lost the first."""
+    max_rows = PACKED_MAX_ROWS
+    for rows in sorted(timed):
+        pack, plain = timed[rows]
+        if pack >= plain:
+            return max_rows
+        max_rows = rows
+    return UNBOUNDED_ROWS if timed else PACKED_MAX_ROWS
 
 
 def small_m_rows_where_faster(timed: dict[int, tuple[float, float]]) -> int:
@@ -289,16 +351,23 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto", like: Optional[
     else:
         raise ValueError(f"CPU pack layout {layout!r} is not available in this torch build (have {layouts})")
     if like is None:
-        small_m_rows, small_m_probe_ms = {}, {}
+        small_m_rows, small_m_probe_ms, packed_max_rows, prefill_probe_ms = {}, {}, {}, {}
         for side in ORIENTATIONS:
             weights = [m.weight for m in modules if orientation(m.weight) == side]
             small_m_rows[side], timed = choose_small_m_rows(weights, choice.layout)
             if timed:
                 small_m_probe_ms[side] = timed
-        choice = dataclasses.replace(choice, small_m_rows=small_m_rows, small_m_probe_ms=small_m_probe_ms)
+            packed_max_rows[side], timed = choose_packed_max_rows(weights, choice.layout)
+            if timed:
+                prefill_probe_ms[side] = timed
+        choice = dataclasses.replace(
+            choice, small_m_rows=small_m_rows, small_m_probe_ms=small_m_probe_ms, packed_max_rows=packed_max_rows,
+            prefill_probe_ms=prefill_probe_ms,
+        )
     for module in modules:
+        side = orientation(module.weight)
         module.packed_weight = PackedWeight(
-            pack_weight(module.weight, choice.layout), choice.small_m_rows[orientation(module.weight)]
+            pack_weight(module.weight, choice.layout), choice.small_m_rows[side], choice.packed_max_rows[side]
         )
     for side, timed in choice.small_m_probe_ms.items() if like is None else ():
         logger.info(
@@ -306,11 +375,18 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto", like: Optional[
             side, _row_list(choice.small_m_rows[side]) or "none", choice.layout,
             ", ".join(f"{rows}: {k:.1f} / {p:.1f}" for rows, (k, p) in timed.items()),
         )
+    for side, timed in choice.prefill_probe_ms.items() if like is None else ():
+        limit = choice.packed_max_rows[side]
+        logger.info(
+            "CPU GEMM: %s pack on %s weights up to %s rows (pack / F.linear ms at %s)",
+            choice.layout, side, "any number of" if limit == UNBOUNDED_ROWS else limit,
+            ", ".join(f"{rows}: {p:.1f} / {f:.1f}" for rows, (p, f) in timed.items()),
+        )
     if choice.probe_ms and like is None:
         timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in choice.probe_ms.items())
         logger.info(
-            "CPU GEMM: %d weights packed for %s (%d-%d rows); probe over %.0f MB of them at %s rows: %s",
-            len(modules), choice.layout, PACKED_MIN_ROWS, PACKED_MAX_ROWS, choice.probe_bytes / 1e6,
+            "CPU GEMM: %d weights packed for %s (from %d rows); probe over %.0f MB of them at %s rows: %s",
+            len(modules), choice.layout, PACKED_MIN_ROWS, choice.probe_bytes / 1e6,
             " and ".join(map(str, PROBE_ROWS)), timings,
         )
     return choice

@@ -122,6 +122,35 @@ def test_a_packed_weight_takes_the_kernel_only_at_its_row_counts(monkeypatch):
     assert calls == [4, 9]
 
 
+def test_prefill_probe_timings_give_the_packs_row_limit():
+    """The pack serves up to the last of an unbroken run of probed wins from the smallest count; a tie is a loss."""
+    where = cpu_gemm.packed_max_rows_where_faster
+    assert where({256: (1.0, 2.0), 1024: (1.0, 2.0)}) == cpu_gemm.UNBOUNDED_ROWS
+    assert where({256: (1.0, 2.0), 1024: (3.0, 2.0)}) == 256
+    assert where({256: (2.0, 1.0), 1024: (1.0, 2.0)}) == PACKED_MAX_ROWS
+    assert where({256: (2.0, 2.0)}) == PACKED_MAX_ROWS and where({}) == PACKED_MAX_ROWS
+
+
+def test_a_packed_weight_takes_the_pack_up_to_its_row_limit(monkeypatch):
+    calls = []
+    real = cpu_gemm._pack_linear
+
+    def spy(x, packed, weight, bias):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, packed, weight, bias)
+
+    monkeypatch.setattr(cpu_gemm, "_pack_linear", spy)
+    m = ReplicatedLinear(32, 64, bias=True)
+    for p in m.parameters():
+        p.data.copy_(torch.randn_like(p))
+    pack_weights_for_cpu(m)
+    m.packed_weight = cpu_gemm.PackedWeight(m.packed_weight.tensor, small_m_rows=0, max_rows=100)
+    for rows in (1, 2, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 100, 101, 300):
+        x = torch.randn(rows, 32)
+        assert_same_dot_products(m(x), x, m.weight, m.bias)
+    assert calls == [2, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 100]
+
+
 def test_the_probe_times_the_kernel_per_orientation_and_a_draft_takes_the_targets_row_counts(monkeypatch):
     if cpu_gemm.small_m_kernel() is None:
         pytest.skip("the small-M kernel is not built here")
@@ -136,16 +165,28 @@ def test_the_probe_times_the_kernel_per_orientation_and_a_draft_takes_the_target
         assert choice.small_m_rows[side] == cpu_gemm.small_m_rows_where_faster(timed)
     assert target.qkv.packed_weight.small_m_rows == choice.small_m_rows["column-major"]
     assert target.head.packed_weight.small_m_rows == choice.small_m_rows["row-major"]
-    like = dataclasses.replace(choice, small_m_rows={"column-major": 1 << 3, "row-major": 1 << 5})
+    assert set(choice.prefill_probe_ms) == set(cpu_gemm.ORIENTATIONS)  # and the pack's limit past decode batches
+    for side, timed in choice.prefill_probe_ms.items():
+        assert sorted(timed) == list(cpu_gemm.PREFILL_PROBE_ROWS)
+        assert choice.packed_max_rows[side] == cpu_gemm.packed_max_rows_where_faster(timed)
+    assert target.qkv.packed_weight.max_rows == choice.packed_max_rows["column-major"]
+    assert target.head.packed_weight.max_rows == choice.packed_max_rows["row-major"]
+    like = dataclasses.replace(
+        choice, small_m_rows={"column-major": 1 << 3, "row-major": 1 << 5},
+        packed_max_rows={"column-major": 256, "row-major": 1024},
+    )
     draft = Holder()
     assert pack_weights_for_cpu(draft, like=like) is like
     assert draft.qkv.packed_weight.small_m_rows == 1 << 3 and draft.rep.packed_weight.small_m_rows == 1 << 3
+    assert draft.qkv.packed_weight.max_rows == 256
 
 
-def test_untimed_weights_take_every_kernel_row_count_and_no_kernel_takes_none(monkeypatch):
+def test_untimed_weights_take_every_kernel_row_count_and_the_default_pack_limit_and_no_kernel_takes_none(monkeypatch):
     m = Holder()
     choice = pack_weights_for_cpu(m)  # test-sized: untimed
     assert choice.small_m_probe_ms == {} and set(choice.small_m_rows.values()) == {cpu_gemm.ALL_SMALL_M_ROWS}
     assert m.qkv.packed_weight.small_m_rows == cpu_gemm.ALL_SMALL_M_ROWS
+    assert choice.prefill_probe_ms == {} and set(choice.packed_max_rows.values()) == {PACKED_MAX_ROWS}
+    assert m.qkv.packed_weight.max_rows == PACKED_MAX_ROWS
     monkeypatch.setattr(cpu_gemm, "small_m_kernel", lambda: None)
     assert cpu_gemm.choose_small_m_rows([m.qkv.weight], choice.layout) == (0, {})
