@@ -8,10 +8,11 @@ Which is faster depends on the host: on this project's AVX2 boxes, over SmolLM2'
 one host gave MKL 62 ms against oneDNN 65 ms at M = 5 (round 3, session 7) and another MKL 100 ms against
 oneDNN 66 ms (session 8; M = 32: 237 against 189 ms). So ``pack_weights_for_cpu`` times both on the
 model's own weights and keeps the faster (``choose_pack_layout``). A pack is slower at M = 1 (a gemv,
-bandwidth-bound) and at prefill-sized M, so it is used only for ``PACKED_MIN_ROWS <= M <=
-PACKED_MAX_ROWS`` and the column-major weight (layers/utils.new_weight_matrix) stays for the rest: the
-price is a second copy of the weights in memory (vLLM's CPU build drops the original, paying at M = 1
-and at prefill instead). Both packs are M-independent (checked against ``F.linear`` at M = 1..1000), so
+bandwidth-bound), so it is used from ``PACKED_MIN_ROWS``. At prefill-sized M it was even or slower on those
+AVX2 hosts and 14-23% faster on an AVX-512 EPYC (session 15), so its upper limit is timed too
+(``choose_packed_max_rows``; ``PACKED_MAX_ROWS`` where untimed), and ``F.linear`` on the column-major weight
+(layers/utils.new_weight_matrix) serves the rest. The price is a second copy of the weights in memory (vLLM's
+CPU build drops the original and pays at M = 1 instead). Both packs are M-independent (checked against ``F.linear`` at M = 1..1000), so
 one pack serves every batch.
 
 At 2-16 rows sglite's small-M kernel (layers/cpu_small_m.py) may beat the pack, or not: on session 13's host it
