@@ -202,7 +202,7 @@ class PackChoice:
     small_m_probe_ms: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     # per orientation: the most rows the pack serves (PackedWeight.max_rows); untimed: PACKED_MAX_ROWS
     packed_max_rows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ORIENTATIONS, PACKED_MAX_ROWS))
-    # per orientation timed: {rows: (pack ms, F.linear ms)} at PREFILL_PROBE_ROWS, best of PROBE_REPEATS
+    # per orientation timed: {rows: (pack ms, F.linear ms)} at PREFILL_PROBE_ROWS, best of PREFILL_PROBE_REPEATS
     prefill_probe_ms: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
 
 
@@ -242,21 +242,21 @@ def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) ->
     return PackChoice(layout=min(probe_ms, key=probe_ms.get), probe_ms=probe_ms, probe_bytes=size)
 
 
-def choose_small_m_rows(weights: list[torch.Tensor], layout: str) -> tuple[int, dict[int, tuple[float, float]]]:
-    """The row counts (bitmask) at which the small-M kernel beats ``layout``'s pack on these weights (one orientation).
+def choose_small_m_rows(
+    weights: list[torch.Tensor], packs: list[torch.Tensor]
+) -> tuple[int, dict[int, tuple[float, float]]]:
+    """The row counts (bitmask) at which the small-M kernel beats the pack on these weights (one orientation).
 
-    The first PROBE_MIN_BYTES of them, both ways at each of SMALL_M_PROBE_ROWS, interleaved, best of PROBE_REPEATS
-    in wall time (the kernel and the pack split a product over threads differently, and CPU time counts a thread
-    that spins as busy); a count r between probes takes the verdict of the first probed count >= r. Too few bytes
-    to time past the caches: every count the kernel covers. No kernel (switched off, no compiler): none.
-    Returns the mask and {rows: (kernel ms, pack ms)} (empty when untimed).
+    ``packs``: the weights' packed copies, in order. The first PROBE_MIN_BYTES of them, both ways at each of
+    SMALL_M_PROBE_ROWS (``_time_two_ways``), best of PROBE_REPEATS; a count r between probes takes the verdict of
+    the first probed count >= r. Too few bytes to time past the caches: every count the kernel covers. No kernel
+    (switched off, no compiler): none. Returns the mask and {rows: (kernel ms, pack ms)} (empty when untimed).
     """
     if small_m_kernel() is None:
         return 0, {}
     probe, size = _probe_prefix(weights)
     if size < PROBE_MIN_BYTES:
         return ALL_SMALL_M_ROWS, {}
-    packs = [pack_weight(w, layout) for w in probe]
     timed = _time_two_ways(
         probe, SMALL_M_PROBE_ROWS, PROBE_REPEATS,
         lambda x, i: small_m_linear(x, probe[i], None), lambda x, i: _pack_linear(x, packs[i], probe[i], None),
@@ -292,13 +292,13 @@ def choose_packed_max_rows(weights: list[torch.Tensor], layout: str) -> tuple[in
     """
     if sum(w.numel() * w.element_size() for w in weights) < PROBE_MIN_BYTES:
         return PACKED_MAX_ROWS, {}
-    probe, budget = [], PREFILL_PROBE_BYTES // 4
+    probe, budget = [], PREFILL_PROBE_BYTES
     for w in weights:
         if budget <= 0:
             break
-        cut = w[: max(1, budget // w.shape[1])]
+        cut = w[: max(1, budget // (w.shape[1] * w.element_size()))]
         probe.append(cut)
-        budget -= cut.numel()
+        budget -= cut.numel() * cut.element_size()
     packs = [pack_weight(w, layout) for w in probe]
     timed = _time_two_ways(
         probe, PREFILL_PROBE_ROWS, PREFILL_PROBE_REPEATS,
@@ -335,8 +335,8 @@ def small_m_rows_where_faster(timed: dict[int, tuple[float, float]]) -> int:
 def pack_weights_for_cpu(model: nn.Module, layout: str = "auto", like: Optional[PackChoice] = None) -> Optional[PackChoice]:
     """Give every opted-in fp32 CPU weight of ``model`` a packed copy, in ``layout`` or the probe's choice.
 
-    ``like``: another model's choice on this host (a draft packs like its target: its layout and small-M row
-    counts, no probe). Returns the choice (None when nothing was packed). A tied LM head gets its own packed copy
+    ``like``: another model's choice on this host (a draft packs like its target: its layout and both timed row
+    limits, no probe). Returns the choice (None when nothing was packed). A tied LM head gets its own packed copy
     too (the embedding keeps reading the original).
     """
     layouts = available_pack_layouts()
@@ -351,46 +351,56 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto", like: Optional[
         choice = PackChoice(layout=layout)
     else:
         raise ValueError(f"CPU pack layout {layout!r} is not available in this torch build (have {layouts})")
+    packs = [pack_weight(m.weight, choice.layout) for m in modules]
     if like is None:
-        small_m_rows, small_m_probe_ms, packed_max_rows, prefill_probe_ms = {}, {}, {}, {}
-        for side in ORIENTATIONS:
-            weights = [m.weight for m in modules if orientation(m.weight) == side]
-            small_m_rows[side], timed = choose_small_m_rows(weights, choice.layout)
-            if timed:
-                small_m_probe_ms[side] = timed
-            packed_max_rows[side], timed = choose_packed_max_rows(weights, choice.layout)
-            if timed:
-                prefill_probe_ms[side] = timed
-        choice = dataclasses.replace(
-            choice, small_m_rows=small_m_rows, small_m_probe_ms=small_m_probe_ms, packed_max_rows=packed_max_rows,
-            prefill_probe_ms=prefill_probe_ms,
-        )
-    for module in modules:
+        choice = _time_row_limits(choice, modules, packs)
+        _log_choice(choice, len(modules))
+    for module, packed in zip(modules, packs):
         side = orientation(module.weight)
-        module.packed_weight = PackedWeight(
-            pack_weight(module.weight, choice.layout), choice.small_m_rows[side], choice.packed_max_rows[side]
-        )
-    for side, timed in choice.small_m_probe_ms.items() if like is None else ():
+        module.packed_weight = PackedWeight(packed, choice.small_m_rows[side], choice.packed_max_rows[side])
+    return choice
+
+
+def _time_row_limits(choice: PackChoice, modules: list[nn.Module], packs: list[torch.Tensor]) -> PackChoice:
+    """``choice`` with the small-M kernel's row counts and the pack's row limit timed per weight orientation."""
+    small_m_rows, small_m_probe_ms, packed_max_rows, prefill_probe_ms = {}, {}, {}, {}
+    for side in ORIENTATIONS:
+        mine = [(m.weight, p) for m, p in zip(modules, packs) if orientation(m.weight) == side]
+        weights, side_packs = [w for w, _ in mine], [p for _, p in mine]
+        small_m_rows[side], timed = choose_small_m_rows(weights, side_packs)
+        if timed:
+            small_m_probe_ms[side] = timed
+        packed_max_rows[side], timed = choose_packed_max_rows(weights, choice.layout)
+        if timed:
+            prefill_probe_ms[side] = timed
+    return dataclasses.replace(
+        choice, small_m_rows=small_m_rows, small_m_probe_ms=small_m_probe_ms, packed_max_rows=packed_max_rows,
+        prefill_probe_ms=prefill_probe_ms,
+    )
+
+
+def _log_choice(choice: PackChoice, num_weights: int) -> None:
+    """The start-up lines that say what the probes timed and chose on this host."""
+    for side, timed in choice.small_m_probe_ms.items():
         logger.info(
             "CPU GEMM: small-M kernel on %s weights at rows %s (kernel / %s pack ms at %s)",
             side, _row_list(choice.small_m_rows[side]) or "none", choice.layout,
             ", ".join(f"{rows}: {k:.1f} / {p:.1f}" for rows, (k, p) in timed.items()),
         )
-    for side, timed in choice.prefill_probe_ms.items() if like is None else ():
+    for side, timed in choice.prefill_probe_ms.items():
         limit = choice.packed_max_rows[side]
         logger.info(
             "CPU GEMM: %s pack on %s weights up to %s rows (pack / F.linear ms at %s)",
             choice.layout, side, "any number of" if limit == UNBOUNDED_ROWS else limit,
             ", ".join(f"{rows}: {p:.1f} / {f:.1f}" for rows, (p, f) in timed.items()),
         )
-    if choice.probe_ms and like is None:
+    if choice.probe_ms:
         timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in choice.probe_ms.items())
         logger.info(
             "CPU GEMM: %d weights packed for %s (from %d rows); probe over %.0f MB of them at %s rows: %s",
-            len(modules), choice.layout, PACKED_MIN_ROWS, choice.probe_bytes / 1e6,
+            num_weights, choice.layout, PACKED_MIN_ROWS, choice.probe_bytes / 1e6,
             " and ".join(map(str, PROBE_ROWS)), timings,
         )
-    return choice
 
 
 def _row_list(mask: int) -> str:

@@ -189,4 +189,4 @@ def test_untimed_weights_take_every_kernel_row_count_and_the_default_pack_limit_
     assert choice.prefill_probe_ms == {} and set(choice.packed_max_rows.values()) == {PACKED_MAX_ROWS}
     assert m.qkv.packed_weight.max_rows == PACKED_MAX_ROWS
     monkeypatch.setattr(cpu_gemm, "small_m_kernel", lambda: None)
-    assert cpu_gemm.choose_small_m_rows([m.qkv.weight], choice.layout) == (0, {})
+    assert cpu_gemm.choose_small_m_rows([m.qkv.weight], [m.qkv.packed_weight.tensor]) == (0, {})
