@@ -20,6 +20,10 @@ did at 5-16 rows, on an AMD EPYC (AVX-512) one thread the pack won at 4, 12 and 
 row-major product at every count (docs/benchmarks.md, "The small-M kernel chosen per row count, session 15").
 So the probe also times the kernel against the chosen pack at ``SMALL_M_PROBE_ROWS``, once per weight
 orientation, and each packed weight carries the row counts the kernel serves (``PackedWeight.small_m_rows``).
+
+A weight loaded from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks also carries those blocks (``PackedWeight.gguf``):
+at 1-16 rows the GGUF kernel (layers/cpu_gguf_linear.py) reads them instead of the fp32 copy, at the row counts
+where the probe finds it faster than the route above (``PackedWeight.gguf_rows``, ``choose_gguf_rows``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglite.srt.layers.cpu_gguf_linear import (
+    GGUF_MAX_ROWS,
+    GGUFWeight,
+    gguf_kernel_available,
+    gguf_linear,
+    start_building_gguf_kernel,
+)
 from sglite.srt.layers.cpu_small_m import (
     SMALL_M_MAX_ROWS,
     SMALL_M_MIN_ROWS,
@@ -69,16 +80,27 @@ SMALL_M_PROBE_ROWS = (2, 4, 8, 12, 16)
 # Bit r set: the kernel serves r-row products. Every count it covers, for weights too few to time (test models).
 ALL_SMALL_M_ROWS = sum(1 << r for r in range(SMALL_M_MIN_ROWS, SMALL_M_MAX_ROWS + 1))
 ORIENTATIONS = ("column-major", "row-major")  # layers (utils.new_weight_matrix) / a tied head's embedding
+# Row counts at which the GGUF kernel is timed against the fp32 route (one row: F.linear's gemv; 2-16: the small-M
+# kernel or the pack, as chosen), over the first GGUF_PROBE_MIN_BYTES of blocks (past a 32 MB L3), best of
+# GGUF_PROBE_REPEATS. The kernel is compute-bound where the fp32 route streams memory, so neither is a cache hit.
+GGUF_PROBE_ROWS = (1, 2, 4, 8, 12, 16)
+GGUF_PROBE_MIN_BYTES = 36 << 20
+GGUF_PROBE_REPEATS = 2
+# Bit r set: the GGUF kernel serves r-row products. Every count it covers, for blocks too few to time (test models).
+ALL_GGUF_ROWS = sum(1 << r for r in range(1, GGUF_MAX_ROWS + 1))
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight's packed copy, the most rows it serves, and the row counts that take the small-M kernel instead
-    (bit r for r rows)."""
+    (bit r for r rows); for a weight loaded from GGUF blocks the kernel reads, those blocks and the row counts
+    they serve (before the rest)."""
 
     tensor: torch.Tensor
     small_m_rows: int = ALL_SMALL_M_ROWS
     max_rows: int = PACKED_MAX_ROWS
+    gguf: Optional[GGUFWeight] = None
+    gguf_rows: int = 0
 
 
 def orientation(weight: torch.Tensor) -> str:
@@ -116,20 +138,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     """``x W^T + b``: through the packed copy for decode-sized batches when the layer has one, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
+    blocks, ggml_type = (packed.gguf.blocks, packed.gguf.ggml_type) if packed.gguf is not None else (None, 0)
     if torch.compiler.is_compiling():
         # One opaque op: Inductor cannot lower ``_mkl_linear`` on a packed weight it did not make
         # itself, and the row-count choice stays at run time (no shape guard, one graph for all M).
-        return torch.ops.sglite.packed_linear(x, packed.tensor, weight, bias, packed.small_m_rows, packed.max_rows)
-    return _linear_with_pack(x, packed.tensor, weight, bias, packed.small_m_rows, packed.max_rows)
+        return torch.ops.sglite.packed_linear(
+            x, packed.tensor, weight, bias, packed.small_m_rows, packed.max_rows, blocks, ggml_type, packed.gguf_rows
+        )
+    return _linear_with_pack(
+        x, packed.tensor, weight, bias, packed.small_m_rows, packed.max_rows, blocks, ggml_type, packed.gguf_rows
+    )
 
 
 def _linear_with_pack(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], small_m_rows: int,
-    max_rows: int,
+    max_rows: int, gguf_blocks: Optional[torch.Tensor] = None, gguf_type: int = 0, gguf_rows: int = 0,
 ) -> torch.Tensor:
-    """The packed copy for ``PACKED_MIN_ROWS <= rows <= max_rows`` (the small-M kernel at the row counts set in
-    ``small_m_rows``), ``F.linear`` on the weight otherwise."""
+    """The GGUF blocks at the row counts set in ``gguf_rows``; else the packed copy for ``PACKED_MIN_ROWS <= rows <=
+    max_rows`` (the small-M kernel at the row counts set in ``small_m_rows``), ``F.linear`` on the weight otherwise."""
     rows = x.numel() // x.shape[-1]
+    if gguf_blocks is not None and rows <= GGUF_MAX_ROWS and gguf_rows >> rows & 1:
+        quantized = gguf_linear(x, gguf_blocks, gguf_type, bias)
+        if quantized is not None:
+            return quantized
     if not PACKED_MIN_ROWS <= rows <= max_rows:
         return F.linear(x, weight, bias)
     if rows <= SMALL_M_MAX_ROWS and small_m_rows >> rows & 1:
@@ -152,13 +183,14 @@ def _pack_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bi
 # Python wrapper costs ~50 us a call, ~120 calls a step.
 _LIB = torch.library.Library("sglite", "DEF")
 _LIB.define(
-    "packed_linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias, int small_m_rows, int max_rows) -> Tensor"
+    "packed_linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias, int small_m_rows, int max_rows, "
+    "Tensor? gguf_blocks, int gguf_type, int gguf_rows) -> Tensor"
 )
 
 
 def _packed_linear_fake(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], small_m_rows: int,
-    max_rows: int,
+    max_rows: int, gguf_blocks: Optional[torch.Tensor], gguf_type: int, gguf_rows: int,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -172,10 +204,13 @@ def packs_weights_of(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
-def prepare_cpu_gemm(device: torch.device, dtype: torch.dtype) -> None:
-    """Before a model's weights load: start building the small-M kernel when its linears will use it."""
+def prepare_cpu_gemm(device: torch.device, dtype: torch.dtype, reads_gguf: bool = False) -> None:
+    """Before a model's weights load: start building the small-M kernel (and, for a GGUF checkpoint, the GGUF
+    kernel) when its linears will use it."""
     if packs_weights_of(device, dtype):
         start_building_small_m_kernel()  # a first start compiles it (~3-5 s) while the weights load
+        if reads_gguf:
+            start_building_gguf_kernel()
 
 
 def _packable(module: nn.Module) -> bool:
@@ -204,6 +239,10 @@ class PackChoice:
     packed_max_rows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ORIENTATIONS, PACKED_MAX_ROWS))
     # per orientation timed: {rows: (pack ms, F.linear ms)} at PREFILL_PROBE_ROWS, best of PREFILL_PROBE_REPEATS
     prefill_probe_ms: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    # the row counts the GGUF kernel serves (PackedWeight.gguf_rows), when the model has GGUF blocks it reads
+    gguf_rows: int = 0
+    # timed: {rows: (GGUF kernel ms, fp32 route ms)} at GGUF_PROBE_ROWS, best of GGUF_PROBE_REPEATS
+    gguf_probe_ms: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 def _probe_prefix(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
@@ -320,10 +359,11 @@ def packed_max_rows_where_faster(timed: dict[int, tuple[float, float]]) -> int:
     return UNBOUNDED_ROWS if timed else PACKED_MAX_ROWS
 
 
-def small_m_rows_where_faster(timed: dict[int, tuple[float, float]]) -> int:
-    """The row-count bitmask from probe timings {probed rows: (kernel, pack)}: a count takes the first probed count's
-    verdict at or above it (the kernel when strictly faster); counts above the last probe are left to the pack."""
-    mask, low = 0, SMALL_M_MIN_ROWS
+def small_m_rows_where_faster(timed: dict[int, tuple[float, float]], low: int = SMALL_M_MIN_ROWS) -> int:
+    """The row-count bitmask from probe timings {probed rows: (kernel, other)} over counts from ``low``: a count takes
+    the first probed count's verdict at or above it (the kernel when strictly faster); counts above the last probe
+    are left to the other way."""
+    mask = 0
     for rows in sorted(timed):
         kernel, pack = timed[rows]
         if kernel < pack:
@@ -354,10 +394,14 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto", like: Optional[
     packs = [pack_weight(m.weight, choice.layout) for m in modules]
     if like is None:
         choice = _time_row_limits(choice, modules, packs)
+        choice = _time_gguf_rows(choice, modules, packs)
         _log_choice(choice, len(modules))
     for module, packed in zip(modules, packs):
         side = orientation(module.weight)
-        module.packed_weight = PackedWeight(packed, choice.small_m_rows[side], choice.packed_max_rows[side])
+        gguf = getattr(module, "gguf_weight", None)
+        module.packed_weight = PackedWeight(
+            packed, choice.small_m_rows[side], choice.packed_max_rows[side], gguf, choice.gguf_rows if gguf else 0
+        )
     return choice
 
 
@@ -379,8 +423,55 @@ def _time_row_limits(choice: PackChoice, modules: list[nn.Module], packs: list[t
     )
 
 
+def _time_gguf_rows(choice: PackChoice, modules: list[nn.Module], packs: list[torch.Tensor]) -> PackChoice:
+    """``choice`` with the GGUF kernel's row counts timed on the modules that carry GGUF blocks (none: unchanged)."""
+    mine = [(m, p) for m, p in zip(modules, packs) if getattr(m, "gguf_weight", None) is not None]
+    if not mine:
+        return choice
+    gguf_rows, timed = choose_gguf_rows([m for m, _ in mine], [p for _, p in mine], choice)
+    return dataclasses.replace(choice, gguf_rows=gguf_rows, gguf_probe_ms=timed)
+
+
+def choose_gguf_rows(
+    modules: list[nn.Module], packs: list[torch.Tensor], choice: PackChoice
+) -> tuple[int, dict[int, tuple[float, float]]]:
+    """The row counts (bitmask) at which the GGUF kernel beats the fp32 route ``choice`` gives these modules.
+
+    Each module carries ``gguf_weight``; ``packs`` are their packed copies. The first GGUF_PROBE_MIN_BYTES of blocks,
+    both ways at each of GGUF_PROBE_ROWS, best of GGUF_PROBE_REPEATS; a count between probes takes the verdict of the
+    next probed count above it. Too few bytes to time: every count the kernel covers. No kernel: none.
+    """
+    if not gguf_kernel_available():
+        return 0, {}
+    probe, size = [], 0
+    for module, packed in zip(modules, packs):
+        if size >= GGUF_PROBE_MIN_BYTES:
+            break
+        probe.append((module.weight, module.gguf_weight, packed))
+        size += module.gguf_weight.blocks.numel()
+    if size < GGUF_PROBE_MIN_BYTES:
+        return ALL_GGUF_ROWS, {}
+
+    def fp32_route(x: torch.Tensor, i: int) -> torch.Tensor:
+        weight, _, packed = probe[i]
+        side = orientation(weight)
+        return _linear_with_pack(x, packed, weight, None, choice.small_m_rows[side], choice.packed_max_rows[side])
+
+    timed = _time_two_ways(
+        [w for w, _, _ in probe], GGUF_PROBE_ROWS, GGUF_PROBE_REPEATS,
+        lambda x, i: gguf_linear(x, probe[i][1].blocks, probe[i][1].ggml_type, None), fp32_route,
+    )
+    return small_m_rows_where_faster(timed, low=1), timed
+
+
 def _log_choice(choice: PackChoice, num_weights: int) -> None:
     """The start-up lines that say what the probes timed and chose on this host."""
+    if choice.gguf_probe_ms:
+        logger.info(
+            "CPU GEMM: GGUF kernel on the checkpoint's blocks at rows %s (GGUF kernel / fp32 ms at %s)",
+            _row_list(choice.gguf_rows, low=1) or "none",
+            ", ".join(f"{rows}: {g:.1f} / {f:.1f}" for rows, (g, f) in choice.gguf_probe_ms.items()),
+        )
     for side, timed in choice.small_m_probe_ms.items():
         logger.info(
             "CPU GEMM: small-M kernel on %s weights at rows %s (kernel / %s pack ms at %s)",
@@ -403,9 +494,9 @@ def _log_choice(choice: PackChoice, num_weights: int) -> None:
         )
 
 
-def _row_list(mask: int) -> str:
+def _row_list(mask: int, low: int = SMALL_M_MIN_ROWS) -> str:
     """A row-count bitmask as ranges, e.g. ``2-8, 13-16``."""
-    rows = [r for r in range(SMALL_M_MIN_ROWS, SMALL_M_MAX_ROWS + 1) if mask >> r & 1]
+    rows = [r for r in range(low, max(SMALL_M_MAX_ROWS, GGUF_MAX_ROWS) + 1) if mask >> r & 1]
     spans: list[list[int]] = []
     for r in rows:
         if spans and spans[-1][1] == r - 1:

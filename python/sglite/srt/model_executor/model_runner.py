@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from sglite.srt.configs.gguf import find_gguf_file
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import init_parallel_runtime
 from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_dp_peer_group, get_tp_group
@@ -100,7 +101,7 @@ class ModelRunner:
 
         # 3. Weights (a first start on a CPU host compiles the small-M GEMM kernel meanwhile; the target's suffices).
         if not is_draft:
-            prepare_cpu_gemm(self.device, self.dtype)
+            prepare_cpu_gemm(self.device, self.dtype, reads_gguf=find_gguf_file(path) is not None)
         self.model = load_model(
             self.model_config, path, self.device, self.dtype, show_progress=self.tp_rank == 0 and not is_draft
         )

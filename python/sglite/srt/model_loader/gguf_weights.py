@@ -2,6 +2,9 @@
 
 The tensor table and bytes come from ``configs.gguf_header`` (one mmap), not the package's slow GGUFReader.
 
+``attach_gguf_blocks`` then gives each CPU linear whose weight came from blocks the GGUF kernel reads (Q4_0, Q4_1,
+Q8_0) those blocks too (``module.gguf_weight``), so decode-sized products read 0.6 bytes a weight instead of 4.
+
 Tensors come out in HF layout and HF names, full size, so each model's ``load_weights`` shards them
 for TP exactly as it shards a safetensors checkpoint. llama.cpp's converter permutes the rows of the
 Q and K projections of ``llama`` models (interleaved rope pairs); that permutation is undone here.
@@ -11,12 +14,24 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import logging
+
 import numpy as np
 import torch
+from torch import nn
 
 from sglite.srt.configs.gguf import GGUF_ARCHITECTURES, GGUFError
 from sglite.srt.configs.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_header
 from sglite.srt.configs.model_config import ModelConfig
+from sglite.srt.layers.cpu_gguf_linear import (
+    GGUF_LINEAR_TYPES,
+    GGUFWeight,
+    gguf_dequantize,
+    gguf_kernel_available,
+    gguf_weight_from_rows,
+)
+
+logger = logging.getLogger(__name__)
 
 # Architectures whose GGUF converter interleaves the rope halves of Q and K rows.
 _PERMUTED_QK_ARCHS = ("llama",)
@@ -42,6 +57,14 @@ def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation: per head, interleaved (x0,y0,x1,y1..) back to halves (x..,y..)."""
     half = weight.shape[0] // n_head // 2
     return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _in_hf_row_order(rows: np.ndarray, arch: str, model_config: ModelConfig, hf_name: str) -> np.ndarray:
+    """A tensor's rows (dequantized weights, or their stored blocks) in HF order: llama's Q and K unpermuted."""
+    if arch in _PERMUTED_QK_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = model_config.num_attention_heads if "q_proj" in hf_name else model_config.num_key_value_heads
+        return unpermute_rope_rows(rows, heads)
+    return rows
 
 
 def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
@@ -100,13 +123,64 @@ def iterate_gguf(path: str, model_config: ModelConfig, dtype: torch.dtype) -> It
         hf_name = names.get(tensor.name)
         if hf_name is None:
             raise GGUFError(f"{path}: GGUF tensor {tensor.name!r} has no counterpart in {GGUF_ARCHITECTURES[arch]}")
-        weight = _dequantize(header, tensor)
-        if arch in _PERMUTED_QK_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = model_config.num_attention_heads if "q_proj" in hf_name else model_config.num_key_value_heads
-            weight = unpermute_rope_rows(weight, heads)
+        weight = _in_hf_row_order(_dequantize(header, tensor), arch, model_config, hf_name)
         # F32 tensors are read-only views of the mapped file: torch needs its own writable copy of those.
         owned = weight if weight.flags.writeable and weight.flags.c_contiguous else np.array(weight, dtype=np.float32)
         yield hf_name, torch.from_numpy(owned).to(dtype)
 
 
-__all__ = ["iterate_gguf", "unpermute_rope_rows"]
+def _checkpoint_parts(param_name: str, stacked_params_mapping) -> list[str]:
+    """The checkpoint tensors a parameter is made of, in the order its rows hold them (fused q/k/v, gate/up)."""
+    parts = [param_name.replace(fused, ckpt) for ckpt, fused, _ in stacked_params_mapping if fused + "." in param_name]
+    return parts or [param_name]
+
+
+def attach_gguf_blocks(model: nn.Module, path: str, model_config: ModelConfig) -> int:
+    """Give every CPU linear of ``model`` whose loaded weight came from kernel-readable GGUF blocks those blocks
+    (``module.gguf_weight``, read by cpu_gemm.pack_weights_for_cpu); returns how many got them.
+
+    A fused weight (q/k/v, gate/up) gets its parts' block rows in its own row order, when all parts share one
+    type. Each attached weight is checked to dequantize bit for bit to the fp32 weight the model loaded, so a
+    wrong mapping is an error here, never wrong logits. A weight sharded for TP > 1 keeps reading its fp32 copy.
+    """
+    if not gguf_kernel_available():
+        return 0
+    header = read_gguf_header(path)
+    arch = header.metadata.get("general.architecture")
+    hf_names = _hf_names(arch, model_config.num_hidden_layers)
+    tensors = {hf_names[t.name]: t for t in header.tensors if t.name in hf_names}
+    mapping = getattr(model, "stacked_params_mapping", ())
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    attached, types = 0, set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "packed_weight") or not isinstance(weight, torch.Tensor):
+            continue  # not a linear that opted into cpu_gemm
+        if weight.dim() != 2 or weight.dtype != torch.float32 or getattr(module, "tp_size", 1) != 1:
+            continue
+        for name in aliases.get(id(weight), []):
+            infos = [tensors.get(part) for part in _checkpoint_parts(name, mapping)]
+            if any(t is None for t in infos) or len({t.ggml_type for t in infos}) != 1:
+                continue
+            if infos[0].ggml_type not in GGUF_LINEAR_TYPES:
+                continue
+            parts = zip(infos, _checkpoint_parts(name, mapping))
+            # np.array: owned rows, since the file's mapping may close before the model does
+            blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate(
+                [_in_hf_row_order(np.array(header.tensor_bytes(t)), arch, model_config, hf) for t, hf in parts]
+            )))
+            gguf = gguf_weight_from_rows(blocks, infos[0].ggml_type, weight.shape[1])
+            if gguf.out_features != weight.shape[0] or not torch.equal(gguf_dequantize(gguf), weight):
+                raise GGUFError(f"{path}: the GGUF blocks of {name} do not dequantize to the weight the model loaded")
+            module.gguf_weight = gguf
+            attached += 1
+            types.add(gguf.type_name)
+            break
+    logger.info("GGUF kernel: %d linear weights read their %s blocks at decode batch sizes", attached,
+                "/".join(sorted(types)) or "(no)")
+    return attached
+
+
+__all__ = ["attach_gguf_blocks", "iterate_gguf", "unpermute_rope_rows"]

@@ -190,3 +190,70 @@ def test_untimed_weights_take_every_kernel_row_count_and_the_default_pack_limit_
     assert m.qkv.packed_weight.max_rows == PACKED_MAX_ROWS
     monkeypatch.setattr(cpu_gemm, "small_m_kernel", lambda: None)
     assert cpu_gemm.choose_small_m_rows([m.qkv.weight], [m.qkv.packed_weight.tensor]) == (0, {})
+
+
+def _with_gguf_blocks(module: nn.Module, type_name: str = "Q8_0") -> None:
+    """Give ``module`` a weight quantized by the gguf package, its blocks attached as the GGUF loader does."""
+    import gguf
+
+    from sglite.srt.layers.cpu_gguf_linear import GGUF_LINEAR_TYPES, gguf_weight_from_rows
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    blocks = gguf.quants.quantize(torch.randn_like(module.weight).contiguous().numpy(), qtype)
+    module.weight.data.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
+    type_id = next(t for t, (name, _) in GGUF_LINEAR_TYPES.items() if name == type_name)
+    module.gguf_weight = gguf_weight_from_rows(torch.from_numpy(blocks.copy()), type_id, module.weight.shape[1])
+
+
+def test_gguf_blocks_serve_only_their_row_counts_and_the_rest_take_the_fp32_route(monkeypatch):
+    if not cpu_gemm.gguf_kernel_available():
+        pytest.skip("the GGUF kernel is not built here")
+    calls = []
+    real = cpu_gemm.gguf_linear
+
+    def spy(x, blocks, ggml_type, bias):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, blocks, ggml_type, bias)
+
+    monkeypatch.setattr(cpu_gemm, "gguf_linear", spy)
+    m = ReplicatedLinear(64, 48, bias=True)
+    _with_gguf_blocks(m)
+    pack_weights_for_cpu(m)  # test-sized: the blocks serve every count they cover
+    assert m.packed_weight.gguf is m.gguf_weight and m.packed_weight.gguf_rows == cpu_gemm.ALL_GGUF_ROWS
+    m.packed_weight = dataclasses.replace(m.packed_weight, gguf_rows=1 << 1 | 1 << 5)
+    for rows in (1, 2, 5, 16, 17, 100):
+        x = torch.randn(rows, 64)
+        assert_same_dot_products(m(x), x, m.weight, m.bias)
+    assert calls == [1, 5]
+
+
+def test_the_gguf_probe_times_its_row_counts_against_the_fp32_route(monkeypatch):
+    if not cpu_gemm.gguf_kernel_available():
+        pytest.skip("the GGUF kernel is not built here")
+    m = nn.Module()
+    m.qkv, m.o, m.rep = ReplicatedLinear(64, 96, bias=False), ReplicatedLinear(96, 64, bias=False), ReplicatedLinear(64, 8)
+    _with_gguf_blocks(m.qkv, "Q4_1")
+    _with_gguf_blocks(m.o, "Q8_0")
+    monkeypatch.setattr(cpu_gemm, "GGUF_PROBE_MIN_BYTES", 1)  # time the test model's blocks (any verdict)
+    choice = pack_weights_for_cpu(m)
+    assert sorted(choice.gguf_probe_ms) == list(cpu_gemm.GGUF_PROBE_ROWS)
+    assert choice.gguf_rows == cpu_gemm.small_m_rows_where_faster(choice.gguf_probe_ms, low=1)
+    assert m.qkv.packed_weight.gguf_rows == choice.gguf_rows and m.rep.packed_weight.gguf is None
+    assert m.rep.packed_weight.gguf_rows == 0
+    monkeypatch.setattr(cpu_gemm, "gguf_kernel_available", lambda: False)
+    assert cpu_gemm.choose_gguf_rows([m.qkv], [m.qkv.packed_weight.tensor], choice) == (0, {})
+
+
+def test_compiled_linears_keep_the_gguf_route():
+    """The registered op takes the blocks and their row counts, so a compiled step reads the blocks too."""
+    if not cpu_gemm.gguf_kernel_available():
+        pytest.skip("the GGUF kernel is not built here")
+    m = ReplicatedLinear(64, 48, bias=False)
+    _with_gguf_blocks(m, "Q4_1")
+    pack_weights_for_cpu(m)
+    x = torch.randn(3, 64)
+    p = m.packed_weight
+    got = torch.ops.sglite.packed_linear(
+        x, p.tensor, m.weight, None, p.small_m_rows, p.max_rows, p.gguf.blocks, p.gguf.ggml_type, p.gguf_rows
+    )
+    assert torch.equal(got, cpu_gemm.gguf_linear(x, p.gguf.blocks, p.gguf.ggml_type, None))

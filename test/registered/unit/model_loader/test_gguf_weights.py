@@ -197,3 +197,46 @@ def test_unknown_quant_type_is_a_clear_error(tmp_path, rank0):
     out.close()
     with pytest.raises(GGUFError, match="'blk.0.ffn_down.weight' uses GGUF quant type Q8_1"):
         ModelRunner(ServerArgs(model_path=bad, device="cpu", cpu_kv_cache_budget_mb=2).validate())
+
+
+@pytest.mark.parametrize("arch,quant", [("llama", "Q4_1"), ("qwen3", "Q8_0")])
+def test_linears_read_their_gguf_blocks_and_they_dequantize_to_the_loaded_weights(arch, quant, tmp_path, rank0):
+    """Every linear (fused q/k/v and gate/up included) and the head get the file's blocks; llama's Q/K rows in HF order."""
+    from sglite.srt.layers.cpu_gguf_linear import gguf_dequantize, gguf_kernel_available
+
+    if not gguf_kernel_available():
+        pytest.skip("the GGUF kernel is not built here")
+    d = _write(tmp_path, arch, quant)
+    runner = ModelRunner(ServerArgs(model_path=d, device="cpu", cpu_kv_cache_budget_mb=2).validate())
+    with_blocks = {name: m for name, m in runner.model.named_modules() if getattr(m, "packed_weight", None) is not None}
+    layers = runner.model_config.num_hidden_layers
+    assert len(with_blocks) == 4 * layers + 1  # qkv, o, gate_up, down per layer, and the LM head
+    for name, module in with_blocks.items():
+        packed = module.packed_weight
+        assert packed.gguf is not None and packed.gguf.type_name == quant, name
+        assert torch.equal(gguf_dequantize(packed.gguf), module.weight), name
+        assert packed.gguf_rows == runner.cpu_pack.gguf_rows != 0
+
+
+def test_f32_gguf_linears_keep_their_fp32_route(tmp_path, rank0):
+    d = _write(tmp_path, "qwen2", "F32")
+    runner = ModelRunner(ServerArgs(model_path=d, device="cpu", cpu_kv_cache_budget_mb=2).validate())
+    packed = [m.packed_weight for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
+    assert packed and all(p.gguf is None and p.gguf_rows == 0 for p in packed)
+
+
+def test_blocks_that_do_not_match_the_loaded_weight_are_an_error(tmp_path, rank0):
+    """A wrong mapping from blocks to a fused weight fails at load, never as wrong logits."""
+    from sglite.srt.layers.cpu_gguf_linear import gguf_kernel_available
+    from sglite.srt.model_loader.gguf_weights import attach_gguf_blocks
+
+    if not gguf_kernel_available():
+        pytest.skip("the GGUF kernel is not built here")
+    d = _write(tmp_path, "llama", "Q8_0")
+    runner = ModelRunner(ServerArgs(model_path=d, device="cpu", cpu_kv_cache_budget_mb=2).validate())
+    model, config = runner.model, runner.model_config
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.gguf_weight is not None
+    qkv.weight.data[0, 0] += 1.0
+    with pytest.raises(GGUFError, match="model.layers.0.self_attn.qkv_proj.weight do not dequantize"):
+        attach_gguf_blocks(model, find_gguf_file(d), config)
