@@ -101,3 +101,25 @@ def test_switched_off_the_kernel_is_not_offered(monkeypatch):
         assert gguf_linear(torch.randn(1, 32), weight.blocks, weight.ggml_type, None) is None
     finally:
         cpu_gguf_linear._open.cache_clear()
+
+
+def test_the_scalar_build_sums_in_the_vector_builds_order(tmp_path, monkeypatch):
+    """A host without AVX2 builds the scalar loop: its products are bit-equal to the vector build's."""
+    import ctypes
+
+    from sglite.srt.layers.cpu_kernel_build import build_cpu_library
+
+    monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path))
+    flags = tuple(f for f in cpu_gguf_linear.BUILD_FLAGS if f != "-march=native") + ("-march=x86-64",)
+    scalar = ctypes.CDLL(str(build_cpu_library(cpu_gguf_linear.SOURCE, flags)))
+    for type_name in sorted(TYPES):
+        weight, _ = quantized(37, 96, type_name, seed=7)
+        for rows in (1, 5, 16):
+            x = torch.randn(rows, 96)
+            got = torch.empty(rows, 37)
+            assert scalar.sglite_gguf_linear(
+                ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(96), ctypes.c_void_p(weight.blocks.data_ptr()),
+                ctypes.c_int64(37), ctypes.c_int64(96), ctypes.c_void_p(got.data_ptr()), ctypes.c_int64(rows),
+                ctypes.c_int(weight.ggml_type),
+            ) == 0
+            assert torch.equal(got, gguf_linear(x, weight.blocks, weight.ggml_type, None)), (type_name, rows)
