@@ -174,12 +174,28 @@ def gemm(args: argparse.Namespace) -> None:
         return dict(cm=w.t().contiguous().t(), mkl=torch.ops.mkl._mkl_reorder_linear_weight(w, 32),
                     dnn=torch.ops.mkldnn._reorder_linear_weight(w, 32), ph=w)
 
+    from sglite.srt.layers.cpu_gguf_linear import GGUF_MAX_ROWS, gguf_kernel_available, gguf_linear
     from sglite.srt.layers.cpu_small_m import SMALL_M_MAX_ROWS, small_m_kernel
 
     small_m = small_m_kernel()  # layers/cpu_small_m.py, for rows 1..16 (None where it cannot be built)
+    gguf_types = dict(zip(("layers", "head"), args.gguf)) if args.gguf and gguf_kernel_available() else {}
     *layer_shapes, head_shape = SHAPES[args.shapes]
-    groups = {"layers": [(k, layouts(torch.randn(n, k) * 0.02)) for _ in range(args.copies) for k, n in layer_shapes],
-              "head": [(head_shape[0], layouts(torch.randn(head_shape[1], head_shape[0]) * 0.02))]}
+
+    def weight(n: int, k: int, group: str) -> dict:
+        w = torch.randn(n, k) * 0.02
+        if group not in gguf_types:
+            return layouts(w)
+        # The GGUF kernel reads the blocks; the other layouts the same weights dequantized (as the loader gives them).
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType[gguf_types[group]]
+        blocks = gguf.quants.quantize(w.numpy(), qtype)
+        d = layouts(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
+        d["gguf"] = (torch.from_numpy(blocks.copy()), int(qtype))
+        return d
+
+    groups = {"layers": [(k, weight(n, k, "layers")) for _ in range(args.copies) for k, n in layer_shapes],
+              "head": [(head_shape[0], weight(head_shape[1], head_shape[0], "head"))]}
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k, _ in layer_shapes + [head_shape]}
         cells = []
@@ -187,6 +203,8 @@ def gemm(args: argparse.Namespace) -> None:
             best = {"column-major": [], "mkl-packed": [], "onednn-packed": []}
             if small_m is not None and m <= SMALL_M_MAX_ROWS:
                 best["small-m"] = []
+            if group in gguf_types and m <= GGUF_MAX_ROWS:
+                best[f"gguf-{gguf_types[group]}"] = []
             for _ in range(5):
                 for meth in best:
                     t0 = time.process_time()
@@ -197,6 +215,8 @@ def gemm(args: argparse.Namespace) -> None:
                             torch.ops.mkl._mkl_linear(xs[k], d["mkl"], d["ph"], None, m)
                         elif meth == "onednn-packed":
                             torch.ops.mkldnn._linear_pointwise(xs[k], d["dnn"], None, "none", [], "")
+                        elif meth.startswith("gguf-"):
+                            gguf_linear(xs[k], *d["gguf"], None)
                         else:  # on the layouts sglite keeps: column-major layers, the tied head's row-major embedding
                             small_m(xs[k], d["cm"] if group == "layers" else d["ph"])
                     best[meth].append(time.process_time() - t0)
@@ -314,6 +334,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--steps", type=int, default=12)
     g = sub.add_parser("gemm")
     g.add_argument("--shapes", choices=sorted(SHAPES), default="200m")
+    g.add_argument("--gguf", nargs=2, metavar=("LAYERS_TYPE", "HEAD_TYPE"),
+                   help="also time the GGUF kernel on blocks of these types (SmolLM2's file: Q4_1 Q8_0); every "
+                        "layout then holds the same weights, dequantized")
     g.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256, 1024])
     g.add_argument("--copies", type=int, default=1,
                    help="distinct copies of each layer shape: 1 = cache-warm, the layer count = streamed as a step")
