@@ -388,12 +388,13 @@ def decode_step_weight_bytes(model_dir: str) -> int:
 
 
 def gguf_step_bytes(gguf: str) -> int:
-    """Bytes a batch-1 step of sglite-gguf reads: every tensor of the file as stored (the tied head reads the
-    embedding's blocks whole; norms are a few KB)."""
+    """Bytes a batch-1 step of sglite-gguf reads: every tensor of the file as stored (a tied head reads the
+    embedding's blocks whole; with a head of its own, the embedding lookup reads one row; norms are a few KB)."""
     from sglite.srt.configs.gguf_header import read_gguf_header
 
     header = read_gguf_header(gguf)
-    return sum(header.tensor_bytes(t).size for t in header.tensors)
+    untied = any(t.name == "output.weight" for t in header.tensors)
+    return sum(header.tensor_bytes(t).size for t in header.tensors if not (untied and t.name == "token_embd.weight"))
 
 
 def print_batch1_bandwidth(table: list[dict[str, Any]], engines: list[str], step_bytes: int,

@@ -38,3 +38,18 @@ def test_batch1_share_of_the_measured_bandwidth(bench, capsys):
     assert out["sglite"] == pytest.approx(10.0) and out["read_gb_s"] == pytest.approx(12.5)
     assert "80% of read" in capsys.readouterr().out  # 10 GB/s of a 12.5 GB/s median
     assert bench.print_batch1_bandwidth(table[1:], ["sglite"], 10**9, rounds) == {}  # no batch-1 row
+
+
+def test_sglite_gguf_is_counted_at_the_bytes_of_its_blocks(bench, tmp_path, capsys):
+    from sglite.testing.tiny_gguf import write_gguf
+    from sglite.testing.tiny_models import build_tiny_model
+
+    hf_dir = build_tiny_model(str(tmp_path / "hf"), "llama", seed=1, num_hidden_layers=2)
+    gguf = write_gguf(hf_dir, str(tmp_path / "model.gguf"), "Q8_0")
+    blocks = bench.gguf_step_bytes(gguf)
+    assert 0 < blocks < bench.decode_step_weight_bytes(hf_dir) / 3  # 34 bytes a 32-weight block against 128
+    table = [{"batch_size": 1, "sglite-gguf_decode_tok_s": 10.0, "vllm_decode_tok_s": 10.0}]
+    out = bench.print_batch1_bandwidth(table, ["sglite-gguf", "vllm"], 10**9, [{"read": 10.0, "copy": 10.0}], blocks)
+    assert out["vllm"] == pytest.approx(10.0) and out["sglite-gguf"] == pytest.approx(blocks * 10.0 / 1e9)
+    assert "reads the file's blocks instead" in capsys.readouterr().out
+    assert bench.server_cmd("sglite-gguf", hf_dir, gguf, 1234, 1)[4] == gguf  # it serves the file itself
