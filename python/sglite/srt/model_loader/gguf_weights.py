@@ -161,18 +161,20 @@ def attach_gguf_blocks(model: nn.Module, path: str, model_config: ModelConfig) -
         if weight.dim() != 2 or weight.dtype != torch.float32 or getattr(module, "tp_size", 1) != 1:
             continue
         for name in aliases.get(id(weight), []):
-            infos = [tensors.get(part) for part in _checkpoint_parts(name, mapping)]
+            parts = _checkpoint_parts(name, mapping)
+            infos = [tensors.get(part) for part in parts]
             if any(t is None for t in infos) or len({t.ggml_type for t in infos}) != 1:
                 continue
             if infos[0].ggml_type not in GGUF_LINEAR_TYPES:
                 continue
-            parts = zip(infos, _checkpoint_parts(name, mapping))
             # np.array: owned rows, since the file's mapping may close before the model does
             blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate(
-                [_in_hf_row_order(np.array(header.tensor_bytes(t)), arch, model_config, hf) for t, hf in parts]
+                [_in_hf_row_order(np.array(header.tensor_bytes(t)), arch, model_config, hf) for t, hf in zip(infos, parts)]
             )))
             gguf = gguf_weight_from_rows(blocks, infos[0].ggml_type, weight.shape[1])
-            if gguf.out_features != weight.shape[0] or not torch.equal(gguf_dequantize(gguf), weight):
+            if gguf.out_features != weight.shape[0]:
+                break  # rows the file does not hold (a padded vocabulary): the fp32 copy serves
+            if not torch.equal(gguf_dequantize(gguf), weight):
                 raise GGUFError(f"{path}: the GGUF blocks of {name} do not dequantize to the weight the model loaded")
             module.gguf_weight = gguf
             attached += 1
