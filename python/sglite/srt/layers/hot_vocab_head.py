@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from sglite.srt.layers.cpu_gemm import PackedWeight, linear
+from sglite.srt.layers.cpu_gguf_linear import GGUFWeight
 from sglite.srt.layers.utils import new_weight_matrix
 from sglite.srt.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -79,6 +80,10 @@ class HotVocabHead(nn.Module):
         self.weight.data.copy_(rows)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.register_buffer("token_ids", ids, persistent=False)
+        # A head read from GGUF blocks (cpu_gemm): the same rows of them, which dequantize to exactly these weights.
+        gguf: Optional[GGUFWeight] = getattr(lm_head, "gguf_weight", None)
+        if gguf is not None and lm_head.tp_size == 1:
+            self.gguf_weight = GGUFWeight(gguf.blocks.index_select(0, ids.cpu()).contiguous(), gguf.ggml_type, gguf.in_features)
         # cpu_gemm.pack_weights_for_cpu fills this (a module with the slot opts in).
         self.packed_weight: Optional[PackedWeight] = None
 

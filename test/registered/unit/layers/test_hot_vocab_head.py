@@ -108,3 +108,20 @@ def test_missing_or_foreign_files_are_errors_naming_the_flag(tmp_path):
     junk.write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match="--speculative-token-map .*not a torch.save file"):
         load_token_map(str(junk), VOCAB)
+
+
+def test_a_head_read_from_gguf_blocks_gives_the_hot_rows_blocks():
+    """The hot head of a GGUF target reads the same rows of the file's blocks, which dequantize to its weight."""
+    import gguf
+
+    from sglite.srt.layers.cpu_gguf_linear import gguf_dequantize, gguf_kernel_available, gguf_weight_from_rows
+
+    if not gguf_kernel_available():
+        pytest.skip("the GGUF kernel is not built here")
+    full = ParallelLMHead(VOCAB, 64, params_dtype=torch.float32, tp_group=GroupCoordinator([0], 0, "tp", device_group=None))
+    blocks = gguf.quants.quantize(torch.randn(VOCAB, 64).numpy(), gguf.GGMLQuantizationType.Q8_0)
+    full.weight_loader(full.weight, torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)))
+    full.gguf_weight = gguf_weight_from_rows(torch.from_numpy(blocks.copy()), int(gguf.GGMLQuantizationType.Q8_0), 64)
+    hot = HotVocabHead(full, torch.tensor([7, 0, 42, 3]))
+    assert hot.gguf_weight.out_features == 4 and torch.equal(gguf_dequantize(hot.gguf_weight), hot.weight)
+    assert not hasattr(HotVocabHead(head(), torch.tensor([1, 2])), "gguf_weight")  # an fp32 head: none
