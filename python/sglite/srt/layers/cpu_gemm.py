@@ -4,22 +4,16 @@ At decode batch sizes (M = 2..64 rows) a BLAS ``sgemm`` spends much of each call
 into its micro-kernel layout; packing the weight once removes that. Two packs exist in torch's x86 CPU
 builds: MKL's (``mkl::_mkl_reorder_linear_weight`` / ``mkl::_mkl_linear``) and oneDNN's
 (``mkldnn::_reorder_linear_weight`` / ``mkldnn::_linear_pointwise``, the one vLLM's CPU build uses).
-Which is faster depends on the host: on this project's AVX2 boxes, over SmolLM2's shapes at 1 thread,
-one host gave MKL 62 ms against oneDNN 65 ms at M = 5 (round 3, session 7) and another MKL 100 ms against
-oneDNN 66 ms (session 8; M = 32: 237 against 189 ms). So ``pack_weights_for_cpu`` times both on the
-model's own weights and keeps the faster (``choose_pack_layout``). A pack is slower at M = 1 (a gemv,
-bandwidth-bound), so it is used from ``PACKED_MIN_ROWS``. At prefill-sized M it was even or slower on those
-AVX2 hosts and 14-23% faster on an AVX-512 EPYC (session 15), so its upper limit is timed too
+Which is faster depends on the host (docs/benchmarks.md, "CPU GEMM packs chosen at start-up, session 8"), so
+``pack_weights_for_cpu`` times both on the model's own weights and keeps the faster (``choose_pack_layout``). A pack
+is slower at M = 1 (a bandwidth-bound gemv), so it serves from ``PACKED_MIN_ROWS``; its upper limit is timed too
 (``choose_packed_max_rows``; ``PACKED_MAX_ROWS`` where untimed), and ``F.linear`` on the column-major weight
-(layers/utils.new_weight_matrix) serves the rest. The price is a second copy of the weights in memory (vLLM's
-CPU build drops the original and pays at M = 1 instead). Both packs are M-independent (checked against ``F.linear`` at M = 1..1000), so
-one pack serves every batch.
+(layers/utils.new_weight_matrix) serves the rest. The price is a second copy of the weights in memory (vLLM's CPU
+build drops the original and pays at M = 1 instead). Both packs are M-independent, so one serves every batch.
 
-At 2-16 rows sglite's small-M kernel (layers/cpu_small_m.py) may beat the pack, or not: on session 13's host it
-did at 5-16 rows, on an AMD EPYC (AVX-512) one thread the pack won at 4, 12 and 16 rows and the head's
-row-major product at every count (docs/benchmarks.md, "The small-M kernel chosen per row count, session 15").
-So the probe also times the kernel against the chosen pack at ``SMALL_M_PROBE_ROWS``, once per weight
-orientation, and each packed weight carries the row counts the kernel serves (``PackedWeight.small_m_rows``).
+At 2-16 rows sglite's small-M kernel (layers/cpu_small_m.py) may beat the pack, or not, by host and row count
+(docs/benchmarks.md, "The small-M kernel chosen per row count, session 15"): the probe times it against the chosen
+pack at ``SMALL_M_PROBE_ROWS`` per weight orientation (``PackedWeight.small_m_rows``).
 
 A weight loaded from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks also carries those blocks (``PackedWeight.gguf``):
 at 1-16 rows the GGUF kernel (layers/cpu_gguf_linear.py) reads them instead of the fp32 copy, at the row counts
