@@ -25,6 +25,18 @@ EST_TIME = 2
 pytestmark = pytest.mark.skipif(not available_pack_layouts(), reason="torch built without MKL or oneDNN")
 
 
+def rows_of_calls_to(monkeypatch, name: str) -> list[int]:
+    """The row count of every call cpu_gemm makes to its function ``name`` from now on (the call still runs)."""
+    calls, real = [], getattr(cpu_gemm, name)
+
+    def spy(x, *args):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, *args)
+
+    monkeypatch.setattr(cpu_gemm, name, spy)
+    return calls
+
+
 def tp1() -> GroupCoordinator:
     return GroupCoordinator([0], 0, "tp", device_group=None)
 
@@ -103,14 +115,7 @@ def test_probe_timings_give_the_kernels_row_counts():
 
 
 def test_a_packed_weight_takes_the_kernel_only_at_its_row_counts(monkeypatch):
-    calls = []
-    real = cpu_gemm.small_m_linear
-
-    def spy(x, weight, bias):
-        calls.append(x.numel() // x.shape[-1])
-        return real(x, weight, bias)
-
-    monkeypatch.setattr(cpu_gemm, "small_m_linear", spy)
+    calls = rows_of_calls_to(monkeypatch, "small_m_linear")
     m = ReplicatedLinear(32, 64, bias=True)
     for p in m.parameters():
         p.data.copy_(torch.randn_like(p))
@@ -132,14 +137,7 @@ def test_prefill_probe_timings_give_the_packs_row_limit():
 
 
 def test_a_packed_weight_takes_the_pack_up_to_its_row_limit(monkeypatch):
-    calls = []
-    real = cpu_gemm._pack_linear
-
-    def spy(x, packed, weight, bias):
-        calls.append(x.numel() // x.shape[-1])
-        return real(x, packed, weight, bias)
-
-    monkeypatch.setattr(cpu_gemm, "_pack_linear", spy)
+    calls = rows_of_calls_to(monkeypatch, "_pack_linear")
     m = ReplicatedLinear(32, 64, bias=True)
     for p in m.parameters():
         p.data.copy_(torch.randn_like(p))
@@ -208,14 +206,7 @@ def _with_gguf_blocks(module: nn.Module, type_name: str = "Q8_0") -> None:
 def test_gguf_blocks_serve_only_their_row_counts_and_the_rest_take_the_fp32_route(monkeypatch):
     if not cpu_gemm.gguf_kernel_available():
         pytest.skip("the GGUF kernel is not built here")
-    calls = []
-    real = cpu_gemm.gguf_linear
-
-    def spy(x, blocks, ggml_type, bias):
-        calls.append(x.numel() // x.shape[-1])
-        return real(x, blocks, ggml_type, bias)
-
-    monkeypatch.setattr(cpu_gemm, "gguf_linear", spy)
+    calls = rows_of_calls_to(monkeypatch, "gguf_linear")
     m = ReplicatedLinear(64, 48, bias=True)
     _with_gguf_blocks(m)
     pack_weights_for_cpu(m)  # test-sized: the blocks serve every count they cover
