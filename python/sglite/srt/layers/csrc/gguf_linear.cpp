@@ -101,16 +101,23 @@ inline void dequantize_block(const uint8_t* b, Vec w[4]) {
       w[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
     }
   } else {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (TYPE == kQ4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    // Bytes 0-7 and 8-15 zero-extended to 32-bit lanes straight from memory: the low nibbles are elements 0-7 and
+    // 8-15, the high ones 16-23 and 24-31. Two lane-widening shuffles a block instead of six (port-bound on Zen 3).
+    const uint8_t* qs = b + (TYPE == kQ4_1 ? 4 : 2);
+    int64_t first, second;
+    std::memcpy(&first, qs, 8);
+    std::memcpy(&second, qs + 8, 8);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(first)), c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(second));
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    const __m256i parts[4] = {_mm256_and_si256(a, mask), _mm256_and_si256(c, mask), _mm256_srli_epi32(a, 4),
+                              _mm256_srli_epi32(c, 4)};
+    const Vec m = TYPE == kQ4_1 ? _mm256_set1_ps(half_to_float(b + 2)) : _mm256_set1_ps(8.f);
     for (int g = 0; g < 4; ++g) {
-      const Vec q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g]));
+      const Vec q = _mm256_cvtepi32_ps(parts[g]);
       if constexpr (TYPE == kQ4_1) {
-        w[g] = _mm256_add_ps(_mm256_mul_ps(d, q), _mm256_set1_ps(half_to_float(b + 2)));
+        w[g] = _mm256_add_ps(_mm256_mul_ps(d, q), m);
       } else {
-        w[g] = _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(8.f)));
+        w[g] = _mm256_mul_ps(d, _mm256_sub_ps(q, m));
       }
     }
   }
