@@ -19,7 +19,7 @@ from sglite.srt.layers.cpu_kernel_build import cxx_compiler
 from sglite.testing.fp32_reference import assert_same_dot_products
 
 SUITE = "unit-cpu"
-EST_TIME = 15  # one compile of the kernel (~3 s) and ~300 small products
+EST_TIME = 25  # four compiles of the kernel (~3 s each: native, scalar, AVX2, AVX-512) and ~400 small products
 
 pytestmark = pytest.mark.skipif(cxx_compiler() is None, reason="needs a C++ compiler")
 TYPES = {name: type_id for type_id, (name, _) in GGUF_LINEAR_TYPES.items()}
@@ -103,21 +103,43 @@ def test_switched_off_the_kernel_is_not_offered(monkeypatch):
         cpu_gguf_linear._open.cache_clear()
 
 
-def test_the_scalar_build_sums_in_the_vector_builds_order(tmp_path, monkeypatch):
-    """A host without AVX2 builds the scalar loop: its products are bit-equal to the vector build's."""
+def _host_has(*cpu_flags: str) -> bool:
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return False
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    return all(f in flags for f in cpu_flags)
+
+
+# Each build the source has (scalar, AVX2, AVX-512), with the -march that selects it and the CPU flags it needs.
+BUILDS = {
+    "scalar": ("-march=x86-64", ()),
+    "avx2": ("-march=haswell", ("avx2", "fma", "f16c")),
+    "avx512": ("-march=x86-64-v4", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c")),
+}
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_every_build_sums_in_the_native_builds_order(build, tmp_path, monkeypatch):
+    """A host without AVX2 builds the scalar loop, an AVX2 host the 8-lane one, an AVX-512 host the 16-lane one:
+    their products are bit-equal to the native build's, so a 16-lane accumulator holds the same 16 partial sums."""
     import ctypes
 
     from sglite.srt.layers.cpu_kernel_build import build_cpu_library
 
+    march, needs = BUILDS[build]
+    if not _host_has(*needs):
+        pytest.skip(f"this CPU lacks {', '.join(needs)}")
     monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path))
-    flags = tuple(f for f in cpu_gguf_linear.BUILD_FLAGS if f != "-march=native") + ("-march=x86-64",)
-    scalar = ctypes.CDLL(str(build_cpu_library(cpu_gguf_linear.SOURCE, flags)))
+    flags = tuple(f for f in cpu_gguf_linear.BUILD_FLAGS if f != "-march=native") + (march,)
+    lib = ctypes.CDLL(str(build_cpu_library(cpu_gguf_linear.SOURCE, flags)))
     for type_name in sorted(TYPES):
         weight, _ = quantized(37, 96, type_name, seed=7)
-        for rows in (1, 5, 16):
+        for rows in (1, 2, 5, 9, 12, 13, 16):
             x = torch.randn(rows, 96)
             got = torch.empty(rows, 37)
-            assert scalar.sglite_gguf_linear(
+            assert lib.sglite_gguf_linear(
                 ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(96), ctypes.c_void_p(weight.blocks.data_ptr()),
                 ctypes.c_int64(37), ctypes.c_int64(96), ctypes.c_void_p(got.data_ptr()), ctypes.c_int64(rows),
                 ctypes.c_int(weight.ggml_type),

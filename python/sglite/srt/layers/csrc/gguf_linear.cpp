@@ -11,13 +11,17 @@
 // first, 8-15 and 24-31 into the second, then (first + second) reduced by one fixed tree. So row m of an M-row
 // product equals the 1-row product of x[m] bit for bit (a DFLASH verify scores exactly what decode would).
 //
-// Plain C++ with a C entry point, loaded with ctypes (layers/cpu_gguf_linear.py); AVX2 + FMA + F16C where
-// -march=native has them, else a scalar loop with the same summation order.
+// Plain C++ with a C entry point, loaded with ctypes (layers/cpu_gguf_linear.py); AVX-512F, else AVX2 + FMA, with
+// F16C where -march=native has them, else a scalar loop with the same summation order.
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define SGLITE_GGUF_AVX2 1
+#if defined(__AVX512F__) && defined(__F16C__)
+#define SGLITE_GGUF_VECTOR 1
+#define SGLITE_GGUF_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SGLITE_GGUF_VECTOR 1
 #include <immintrin.h>
 #endif
 
@@ -31,7 +35,7 @@ inline int block_bytes(int type) { return type == kQ4_0 ? 18 : type == kQ4_1 ? 2
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-#ifdef SGLITE_GGUF_AVX2
+#ifdef SGLITE_GGUF_VECTOR
   return _cvtsh_ss(h);
 #else
   const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -76,22 +80,72 @@ inline void dequantize_block_scalar(const uint8_t* b, int type, float* out) {
   }
 }
 
-#ifdef SGLITE_GGUF_AVX2
+#ifdef SGLITE_GGUF_VECTOR
+// One ISA's vectors. Every output element has 16 partial sums, "lanes" p = 0..15: weight k of a block goes to lane
+// (k % 8) + 8 * ((k / 8) % 2), i.e. elements 0-7 and 16-23 into lanes 0-7, elements 8-15 and 24-31 into lanes
+// 8-15, each lane summed block after block in element order. AVX2 holds the 16 lanes in two registers (kAcc = 2),
+// AVX-512 in one; `finish` adds lane p + 8 into lane p and reduces the 8 by one fixed tree. So both builds, and
+// the scalar one, give the same bits.
+#ifdef SGLITE_GGUF_AVX512
+typedef __m512 Vec;
+constexpr int kLanes = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m256 lanes_folded(const Vec* acc) {
+  return _mm256_add_ps(_mm512_castps512_ps256(acc[0]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[0]), 1)));
+}
+#else
 typedef __m256 Vec;
+constexpr int kLanes = 8;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline float vsum(Vec v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))
+inline __m256 lanes_folded(const Vec* acc) { return _mm256_add_ps(acc[0], acc[1]); }
+#endif
+constexpr int kVecs = kBlock / kLanes;  // vectors a block of weights fills
+constexpr int kAcc = 16 / kLanes;        // registers the 16 partial sums of one output element fill
+
+inline float finish(const Vec* acc) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) over l = p + (p + 8)
+  const __m256 v = lanes_folded(acc);
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
+// acc += one block of x times one block of weights, each vector into its lanes' register.
+inline void accumulate(const float* xk, const Vec* w, Vec* acc) {
+  for (int g = 0; g < kVecs; ++g) acc[g % kAcc] = vfma(vload(xk + g * kLanes), w[g], acc[g % kAcc]);
+}
+
+#ifdef SGLITE_GGUF_AVX512
+// The block's weights in two vectors: elements 0-15, 16-31. A 4-bit block has 16 distinct values, so they are
+// computed once (`d * q` rounded, then `+ m` rounded, as the gguf package does) and each weight is a table lookup.
+template <int TYPE>
+inline void dequantize_block(const uint8_t* b, Vec w[kVecs]) {
+  const Vec d = _mm512_set1_ps(half_to_float(b));
+  if constexpr (TYPE == kQ8_0) {
+    for (int g = 0; g < 2; ++g) {
+      const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * g)));
+      w[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
+    }
+  } else {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Vec table = TYPE == kQ4_1 ? _mm512_add_ps(_mm512_mul_ps(d, iota), _mm512_set1_ps(half_to_float(b + 2)))
+                                    : _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.f)));
+    // Byte i holds element i (low nibble) and element i + 16 (high nibble).
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (TYPE == kQ4_1 ? 4 : 2))));
+    w[0] = _mm512_permutexvar_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0f)), table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+  }
+}
+#else
 // The block's weights in four vectors: elements 0-7, 8-15, 16-23, 24-31.
 template <int TYPE>
-inline void dequantize_block(const uint8_t* b, Vec w[4]) {
+inline void dequantize_block(const uint8_t* b, Vec w[kVecs]) {
   const Vec d = _mm256_set1_ps(half_to_float(b));
   if constexpr (TYPE == kQ8_0) {
     for (int g = 0; g < 4; ++g) {
@@ -122,72 +176,86 @@ inline void dequantize_block(const uint8_t* b, Vec w[4]) {
     }
   }
 }
+#endif
 
-// R rows of W from n0, all M rows of x, accumulators in registers (M * R * 2 of them: 8 at 1-4 rows of x; at 5-8
-// rows some spill, still faster than row_through_buffer on an AVX2 EPYC).
+// R rows of W from n0, all M rows of x, accumulators in registers (M * R * kAcc of them).
 template <int TYPE, int M, int R>
 void rows_in_registers(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K,
                        float* y, int64_t n0) {
-  Vec acc[M][R][2];
+  Vec acc[M][R][kAcc];
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r][0] = acc[m][r][1] = vzero();
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < kAcc; ++a) acc[m][r][a] = vzero();
   const int bb = block_bytes(TYPE);
   for (int64_t blk = 0, k = 0; k < K; ++blk, k += kBlock) {
     for (int r = 0; r < R; ++r) {
       const uint8_t* b = w + (n0 + r) * row_bytes + blk * bb;
       __builtin_prefetch(b + 8 * row_bytes, 0, 3);
-      Vec wv[4];
+      Vec wv[kVecs];
       dequantize_block<TYPE>(b, wv);
-      for (int m = 0; m < M; ++m) {
-        const float* xm = x + m * ldx + k;
-        acc[m][r][0] = vfma(vload(xm), wv[0], acc[m][r][0]);
-        acc[m][r][1] = vfma(vload(xm + 8), wv[1], acc[m][r][1]);
-        acc[m][r][0] = vfma(vload(xm + 16), wv[2], acc[m][r][0]);
-        acc[m][r][1] = vfma(vload(xm + 24), wv[3], acc[m][r][1]);
-      }
+      for (int m = 0; m < M; ++m) accumulate(x + m * ldx + k, wv, acc[m][r]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) y[m * N + n0 + r] = vsum(vadd(acc[m][r][0], acc[m][r][1]));
+    for (int r = 0; r < R; ++r) y[m * N + n0 + r] = finish(acc[m][r]);
 }
 
-// One row of W for 9-16 rows of x: the row dequantized once into `buf` (K floats, L1/L2), then passes of up to
-// kRowsPerPass rows of x over it, with the same per-element sequence as rows_in_registers.
-constexpr int kRowsPerPass = 4;
+// Register blocking, per ISA (AVX-512's 32 registers hold more accumulators than AVX2's 16):
+// - kRowsOfW<M>(): rows of W that rows_in_registers holds at M rows of x;
+// - kMaxRowsInRegisters: the most rows of x whose accumulators stay in registers; more take rows_through_buffer,
+//   which holds kBufferedRowsOfW rows of W and passes over x kRowsPerPass rows at a time.
+// Chosen by timing SmolLM2's layers (benchmark/profile_cpu_decode.py gemm --gguf) on a Zen 3 (AVX2) and a Zen 4.
+#ifdef SGLITE_GGUF_AVX512
+constexpr int kMaxRowsInRegisters = 12, kBufferedRowsOfW = 2, kRowsPerPass = 8;
+template <int M>
+constexpr int kRowsOfW() { return M == 1 ? 4 : 2; }
+#else
+constexpr int kMaxRowsInRegisters = 8, kBufferedRowsOfW = 1, kRowsPerPass = 4;
+template <int M>
+constexpr int kRowsOfW() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+#endif
 
-template <int TYPE>
-void row_through_buffer(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K,
-                        float* y, int64_t n, int64_t M, float* buf) {
+// RB rows of W for more rows of x than stay in registers: the rows dequantized once into `buf` (RB * K floats,
+// L1/L2), then passes of up to kRowsPerPass rows of x over them (each x vector loaded once for the RB rows), with
+// the same per-element sequence as rows_in_registers.
+
+template <int TYPE, int RB>
+void rows_through_buffer(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K,
+                         float* y, int64_t n0, int64_t M, float* buf) {
   const int bb = block_bytes(TYPE);
-  const uint8_t* row = w + n * row_bytes;
-  __builtin_prefetch(row + 4 * row_bytes, 0, 3);
-  for (int64_t blk = 0, k = 0; k < K; ++blk, k += kBlock) {
-    Vec wv[4];
-    dequantize_block<TYPE>(row + blk * bb, wv);
-    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(buf + k + 8 * g, wv[g]);
+  for (int r = 0; r < RB; ++r) {
+    const uint8_t* row = w + (n0 + r) * row_bytes;
+    __builtin_prefetch(row + 4 * RB * row_bytes, 0, 3);
+    for (int64_t blk = 0, k = 0; k < K; ++blk, k += kBlock) {
+      Vec wv[kVecs];
+      dequantize_block<TYPE>(row + blk * bb, wv);
+      for (int g = 0; g < kVecs; ++g) vstore(buf + r * K + k + g * kLanes, wv[g]);
+    }
   }
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
     const int rows = int(M - m0 < kRowsPerPass ? M - m0 : kRowsPerPass);
-    Vec acc[kRowsPerPass][2];
-    for (int m = 0; m < kRowsPerPass; ++m) acc[m][0] = acc[m][1] = vzero();
+    Vec acc[kRowsPerPass][RB][kAcc];
+    for (int m = 0; m < kRowsPerPass; ++m)
+      for (int r = 0; r < RB; ++r)
+        for (int a = 0; a < kAcc; ++a) acc[m][r][a] = vzero();
     for (int64_t k = 0; k < K; k += kBlock) {
-      const Vec w0 = vload(buf + k), w1 = vload(buf + k + 8), w2 = vload(buf + k + 16), w3 = vload(buf + k + 24);
-      for (int m = 0; m < kRowsPerPass; ++m) {
-        if (m >= rows) break;
-        const float* xm = x + (m0 + m) * ldx + k;
-        acc[m][0] = vfma(vload(xm), w0, acc[m][0]);
-        acc[m][1] = vfma(vload(xm + 8), w1, acc[m][1]);
-        acc[m][0] = vfma(vload(xm + 16), w2, acc[m][0]);
-        acc[m][1] = vfma(vload(xm + 24), w3, acc[m][1]);
+      for (int r = 0; r < RB; ++r) {
+        Vec wv[kVecs];
+        for (int g = 0; g < kVecs; ++g) wv[g] = vload(buf + r * K + k + g * kLanes);
+        for (int m = 0; m < kRowsPerPass; ++m) {
+          if (m >= rows) break;
+          accumulate(x + (m0 + m) * ldx + k, wv, acc[m][r]);
+        }
       }
     }
-    for (int m = 0; m < rows; ++m) y[(m0 + m) * N + n] = vsum(vadd(acc[m][0], acc[m][1]));
+    for (int m = 0; m < rows; ++m)
+      for (int r = 0; r < RB; ++r) y[(m0 + m) * N + n0 + r] = finish(acc[m][r]);
   }
 }
 
 template <int TYPE, int M>
 void linear_small(const float* x, int64_t ldx, const uint8_t* w, int64_t N, int64_t K, float* y) {
-  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
+  constexpr int R = kRowsOfW<M>();
   const int64_t row_bytes = K / kBlock * block_bytes(TYPE), blocks = N / R;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) rows_in_registers<TYPE, M, R>(x, ldx, w, row_bytes, N, K, y, b * R);
@@ -196,13 +264,16 @@ void linear_small(const float* x, int64_t ldx, const uint8_t* w, int64_t N, int6
 
 template <int TYPE>
 void linear_buffered(const float* x, int64_t ldx, const uint8_t* w, int64_t N, int64_t K, float* y, int64_t M) {
-  const int64_t row_bytes = K / kBlock * block_bytes(TYPE);
+  const int64_t row_bytes = K / kBlock * block_bytes(TYPE), groups = N / kBufferedRowsOfW;
 #pragma omp parallel
   {
-    std::vector<float> buf(K);
+    std::vector<float> buf(kBufferedRowsOfW * K);
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) row_through_buffer<TYPE>(x, ldx, w, row_bytes, N, K, y, n, M, buf.data());
+    for (int64_t g = 0; g < groups; ++g)
+      rows_through_buffer<TYPE, kBufferedRowsOfW>(x, ldx, w, row_bytes, N, K, y, g * kBufferedRowsOfW, M, buf.data());
   }
+  std::vector<float> buf(K);
+  for (int64_t n = groups * kBufferedRowsOfW; n < N; ++n) rows_through_buffer<TYPE, 1>(x, ldx, w, row_bytes, N, K, y, n, M, buf.data());
 }
 
 template <int TYPE>
@@ -216,8 +287,18 @@ void linear_typed(const float* x, int64_t ldx, const uint8_t* w, int64_t N, int6
     case 6: return linear_small<TYPE, 6>(x, ldx, w, N, K, y);
     case 7: return linear_small<TYPE, 7>(x, ldx, w, N, K, y);
     case 8: return linear_small<TYPE, 8>(x, ldx, w, N, K, y);
-    default: return linear_buffered<TYPE>(x, ldx, w, N, K, y, M);
+    default: break;
   }
+  if constexpr (kMaxRowsInRegisters >= 12) {
+    switch (M) {
+      case 9: return linear_small<TYPE, 9>(x, ldx, w, N, K, y);
+      case 10: return linear_small<TYPE, 10>(x, ldx, w, N, K, y);
+      case 11: return linear_small<TYPE, 11>(x, ldx, w, N, K, y);
+      case 12: return linear_small<TYPE, 12>(x, ldx, w, N, K, y);
+      default: break;
+    }
+  }
+  linear_buffered<TYPE>(x, ldx, w, N, K, y, M);
 }
 
 #else  // scalar: the same two partial sums of 8 lanes and the same final tree per output element
@@ -256,7 +337,7 @@ void linear_scalar(const float* x, int64_t ldx, const uint8_t* w, int64_t N, int
 extern "C" int sglite_gguf_linear(const float* x, int64_t ldx, const uint8_t* w, int64_t N, int64_t K, float* y,
                                   int64_t M, int type) {
   if (M < 1 || M > 16 || K % kBlock != 0 || (type != kQ4_0 && type != kQ4_1 && type != kQ8_0)) return -1;
-#ifdef SGLITE_GGUF_AVX2
+#ifdef SGLITE_GGUF_VECTOR
   switch (type) {
     case kQ4_0: linear_typed<kQ4_0>(x, ldx, w, N, K, y, M); break;
     case kQ4_1: linear_typed<kQ4_1>(x, ldx, w, N, K, y, M); break;
