@@ -11,9 +11,9 @@ is slower at M = 1 (a bandwidth-bound gemv), so it serves from ``PACKED_MIN_ROWS
 (layers/utils.new_weight_matrix) serves the rest. The price is a second copy of the weights in memory (vLLM's CPU
 build drops the original and pays at M = 1 instead). Both packs are M-independent, so one serves every batch.
 
-At 2-16 rows sglite's small-M kernel (layers/cpu_small_m.py) may beat the pack, or not, by host and row count
-(docs/benchmarks.md, "The small-M kernel chosen per row count, session 15"): the probe times it against the chosen
-pack at ``SMALL_M_PROBE_ROWS`` per weight orientation (``PackedWeight.small_m_rows``).
+At 1-16 rows sglite's small-M kernel (layers/cpu_small_m.py) may beat the pack (at one row, ``F.linear``), or not,
+by host and row count (docs/benchmarks.md, "The small-M kernel chosen per row count, session 15"): the probe times
+it against that route at ``SMALL_M_PROBE_ROWS`` per weight orientation (``PackedWeight.small_m_rows``).
 
 A weight loaded from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks also carries those blocks (``PackedWeight.gguf``):
 at 1-16 rows the GGUF kernel (layers/cpu_gguf_linear.py) reads them instead of the fp32 copy, at the row counts
@@ -70,9 +70,10 @@ PROBE_REPEATS = 3  # best of, per layout
 DEFAULT_PACK_LAYOUT = "onednn"
 # Row counts at which the small-M kernel is timed against the pack; an untimed count r takes the verdict of the
 # first probed count >= r (a DFLASH verify block is 5 rows a request, a decode step 1 a request).
-SMALL_M_PROBE_ROWS = (2, 4, 8, 12, 16)
-# Bit r set: the kernel serves r-row products. Every count it covers, for weights too few to time (test models).
-ALL_SMALL_M_ROWS = sum(1 << r for r in range(SMALL_M_MIN_ROWS, SMALL_M_MAX_ROWS + 1))
+SMALL_M_PROBE_ROWS = (1, 2, 4, 8, 12, 16)
+# Bit r set: the kernel serves r-row products. For weights too few to time (test models): 2-16 rows, a gemv staying
+# with F.linear (the kernel serves one row only where a probe timed it faster).
+ALL_SMALL_M_ROWS = sum(1 << r for r in range(PACKED_MIN_ROWS, SMALL_M_MAX_ROWS + 1))
 ORIENTATIONS = ("column-major", "row-major")  # layers (utils.new_weight_matrix) / a tied head's embedding
 # Row counts at which the GGUF kernel is timed against the fp32 route (one row: F.linear's gemv; 2-16: the small-M
 # kernel or the pack, as chosen), over the first GGUF_PROBE_MIN_BYTES of blocks (past a 32 MB L3), best of
@@ -155,12 +156,12 @@ def _linear_with_pack(
         quantized = gguf_linear(x, gguf_blocks, gguf_type, bias)
         if quantized is not None:
             return quantized
-    if not PACKED_MIN_ROWS <= rows <= max_rows:
-        return F.linear(x, weight, bias)
     if rows <= SMALL_M_MAX_ROWS and small_m_rows >> rows & 1:
         small = small_m_linear(x, weight, bias)
         if small is not None:
             return small
+    if not PACKED_MIN_ROWS <= rows <= max_rows:
+        return F.linear(x, weight, bias)
     return _pack_linear(x, packed, weight, bias)
 
 
@@ -278,7 +279,8 @@ def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) ->
 def choose_small_m_rows(
     weights: list[torch.Tensor], packs: list[torch.Tensor]
 ) -> tuple[int, dict[int, tuple[float, float]]]:
-    """The row counts (bitmask) at which the small-M kernel beats the pack on these weights (one orientation).
+    """The row counts (bitmask) at which the small-M kernel beats the pack (at one row, ``F.linear``) on these
+    weights (one orientation).
 
     ``packs``: the weights' packed copies, in order. The first PROBE_MIN_BYTES of them, both ways at each of
     SMALL_M_PROBE_ROWS (``_time_two_ways``), best of PROBE_REPEATS; a count r between probes takes the verdict of
@@ -292,9 +294,16 @@ def choose_small_m_rows(
         return ALL_SMALL_M_ROWS, {}
     timed = _time_two_ways(
         probe, SMALL_M_PROBE_ROWS, PROBE_REPEATS,
-        lambda x, i: small_m_linear(x, probe[i], None), lambda x, i: _pack_linear(x, packs[i], probe[i], None),
+        lambda x, i: small_m_linear(x, probe[i], None), lambda x, i: _without_small_m(x, packs[i], probe[i]),
     )
     return small_m_rows_where_faster(timed), timed
+
+
+def _without_small_m(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What serves ``x W^T`` where the small-M kernel does not: the pack from PACKED_MIN_ROWS, F.linear below."""
+    if x.shape[0] < PACKED_MIN_ROWS:
+        return F.linear(x, weight)
+    return _pack_linear(x, packed, weight, None)
 
 
 def _time_two_ways(
@@ -468,7 +477,7 @@ def _log_choice(choice: PackChoice, num_weights: int) -> None:
         )
     for side, timed in choice.small_m_probe_ms.items():
         logger.info(
-            "CPU GEMM: small-M kernel on %s weights at rows %s (kernel / %s pack ms at %s)",
+            "CPU GEMM: small-M kernel on %s weights at rows %s (kernel / %s pack ms, at 1 row kernel / F.linear, at %s)",
             side, _row_list(choice.small_m_rows[side]) or "none", choice.layout,
             ", ".join(f"{rows}: {k:.1f} / {p:.1f}" for rows, (k, p) in timed.items()),
         )

@@ -32,8 +32,8 @@ from sglite.srt.layers.cpu_kernel_build import (  # noqa: F401 - cxx_compiler, K
 
 logger = logging.getLogger(__name__)
 
-SMALL_M_MIN_ROWS = 2  # one row is a gemv, already bandwidth-bound through F.linear
-SMALL_M_MAX_ROWS = 16  # the most rows the kernel offers; at 40-64 the packs always won. Which rows of 2-16 it
+SMALL_M_MIN_ROWS = 1  # a gemv too: on column-major weights it streams faster than F.linear's on some hosts
+SMALL_M_MAX_ROWS = 16  # the most rows the kernel offers; at 40-64 the packs always won. Which rows of 1-16 it
 # serves on a host is timed at start-up (cpu_gemm.choose_small_m_rows), not assumed here
 SOURCE = CSRC / "small_m_linear.cpp"
 ENV_SWITCH = "SGLITE_CPU_SMALL_M_KERNEL"
@@ -84,7 +84,7 @@ def _build() -> Path:
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``x W^T + b`` through the kernel when it applies (2-16 rows, fp32 CPU, no autograd), else None."""
+    """``x W^T + b`` through the kernel when it applies (1-16 rows, fp32 CPU, no autograd), else None."""
     rows = x.numel() // x.shape[-1]
     if not SMALL_M_MIN_ROWS <= rows <= SMALL_M_MAX_ROWS or x.dtype != torch.float32:
         return None

@@ -108,10 +108,14 @@ def test_an_unknown_layout_is_an_error_naming_it():
 
 
 def test_probe_timings_give_the_kernels_row_counts():
-    """Each count takes the verdict of the first probed count at or above it; a tie goes to the pack."""
-    mask = cpu_gemm.small_m_rows_where_faster({2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 2.0), 12: (2.0, 2.0), 16: (1.0, 1.5)})
+    """Each count takes the verdict of the first probed count at or above it; a tie goes to the other route."""
+    mask = cpu_gemm.small_m_rows_where_faster(
+        {1: (2.0, 1.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 2.0), 12: (2.0, 2.0), 16: (1.0, 1.5)}
+    )
     assert [r for r in range(20) if mask >> r & 1] == [2, 5, 6, 7, 8, 13, 14, 15, 16]
-    assert cpu_gemm.small_m_rows_where_faster({2: (2.0, 1.0), 16: (2.0, 1.0)}) == 0
+    assert cpu_gemm.small_m_rows_where_faster({1: (2.0, 1.0), 2: (2.0, 1.0), 16: (2.0, 1.0)}) == 0
+    mask = cpu_gemm.small_m_rows_where_faster({1: (1.0, 2.0), 2: (2.0, 1.0)})  # a gemv the kernel streams faster
+    assert [r for r in range(20) if mask >> r & 1] == [1]
 
 
 def test_a_packed_weight_takes_the_kernel_only_at_its_row_counts(monkeypatch):
@@ -120,11 +124,11 @@ def test_a_packed_weight_takes_the_kernel_only_at_its_row_counts(monkeypatch):
     for p in m.parameters():
         p.data.copy_(torch.randn_like(p))
     pack_weights_for_cpu(m)
-    m.packed_weight = cpu_gemm.PackedWeight(m.packed_weight.tensor, small_m_rows=1 << 4 | 1 << 9)
+    m.packed_weight = cpu_gemm.PackedWeight(m.packed_weight.tensor, small_m_rows=1 << 1 | 1 << 4 | 1 << 9)
     for rows in range(1, 18):
         x = torch.randn(rows, 32)
         assert_same_dot_products(m(x), x, m.weight, m.bias)
-    assert calls == [4, 9]
+    assert calls == [1, 4, 9]  # a gemv too, where its bit is set
 
 
 def test_prefill_probe_timings_give_the_packs_row_limit():
@@ -183,6 +187,7 @@ def test_untimed_weights_take_every_kernel_row_count_and_the_default_pack_limit_
     m = Holder()
     choice = pack_weights_for_cpu(m)  # test-sized: untimed
     assert choice.small_m_probe_ms == {} and set(choice.small_m_rows.values()) == {cpu_gemm.ALL_SMALL_M_ROWS}
+    assert [r for r in range(20) if cpu_gemm.ALL_SMALL_M_ROWS >> r & 1] == list(range(2, 17))  # a gemv: F.linear
     assert m.qkv.packed_weight.small_m_rows == cpu_gemm.ALL_SMALL_M_ROWS
     assert choice.prefill_probe_ms == {} and set(choice.packed_max_rows.values()) == {PACKED_MAX_ROWS}
     assert m.qkv.packed_weight.max_rows == PACKED_MAX_ROWS
