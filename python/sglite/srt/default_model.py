@@ -28,6 +28,11 @@ DEFAULT_DRAFT_DIR = os.path.join(ASSETS_DIR, "smollm2_draft")
 # The bundled draft's --speculative-token-map: the 8,192 most frequent tokens of its training replies
 # (scripts/train_default_draft.py writes it beside the weights).
 DEFAULT_DRAFT_TOKEN_MAP_FILE = "token_map.pt"
+# Tokens a step of the bundled DFLASH draft verifies on CPU (--speculative-num-draft-tokens; the checkpoint's block
+# is 5). There the GGUF kernel makes a verify compute-bound, ~2.5 ms more a step per row at batch 1 on a Zen 4, while
+# the draft's 3rd and 4th tokens add ~0.1 and ~0.05 accepted tokens: a 3-token block wins (bench_spec at concurrency
+# 1: always drafting 1.16x plain against 1.08x at 5; docs/benchmarks.md, "The real default", session 17).
+DEFAULT_DRAFT_CPU_NUM_DRAFT_TOKENS = 3
 DEFAULT_SERVED_MODEL_NAME = "sglite-default"
 
 
@@ -80,6 +85,11 @@ def resolve_default_model(args: ServerArgs) -> ServerArgs:
         token_map = os.path.join(DEFAULT_DRAFT_DIR, DEFAULT_DRAFT_TOKEN_MAP_FILE)
         if args.speculative_token_map is None and os.path.isfile(token_map):
             updates["speculative_token_map"] = token_map
+        if (
+            updates["speculative_algorithm"] == "DFLASH" and args.speculative_num_draft_tokens is None
+            and args.resolved_device() == "cpu"
+        ):
+            updates["speculative_num_draft_tokens"] = DEFAULT_DRAFT_CPU_NUM_DRAFT_TOKENS
     return dataclasses.replace(args, **updates)
 
 
@@ -98,6 +108,9 @@ def describe_model_choice(original: ServerArgs, resolved: ServerArgs) -> str:
         if resolved.speculative_token_map:
             how = "the bundled draft's" if original.speculative_token_map is None else "--speculative-token-map"
             line += f", token map {resolved.speculative_token_map} ({how})"
+        if resolved.speculative_num_draft_tokens is not None:
+            how = "the bundled draft's on CPU" if original.speculative_num_draft_tokens is None else "--speculative-num-draft-tokens"
+            line += f", {resolved.speculative_num_draft_tokens} tokens a verify ({how})"
     else:
         line += "; speculative decoding off"
     return line

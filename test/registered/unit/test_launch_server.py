@@ -106,6 +106,24 @@ def test_the_bundled_drafts_token_map_comes_with_it(assets, tmp_path):
     assert theirs.speculative_token_map is None
 
 
+def test_the_bundled_dflash_draft_verifies_three_tokens_on_cpu(assets):
+    pkg, draft = assets
+    _install_fake_wheel(pkg)
+    _fake_ckpt(draft, ["DFlashDraftModel"])
+    args = dm.resolve_default_model(ServerArgs(device="cpu")).validate()
+    assert args.speculative_num_draft_tokens == dm.DEFAULT_DRAFT_CPU_NUM_DRAFT_TOKENS == 3
+    assert "3 tokens a verify (the bundled draft's on CPU)" in dm.describe_model_choice(ServerArgs(device="cpu"), args)
+    # A GPU verify reads weights rather than computing: the checkpoint's block stays. The flag and a user's draft win.
+    assert dm.resolve_default_model(ServerArgs(device="cuda")).speculative_num_draft_tokens is None
+    assert dm.resolve_default_model(ServerArgs(device="cpu", speculative_num_draft_tokens=5)).speculative_num_draft_tokens == 5
+    mine = dm.resolve_default_model(ServerArgs(device="cpu", speculative_algorithm="DFLASH", speculative_draft_model_path="/d"))
+    assert mine.speculative_num_draft_tokens is None
+    # A bundled DSPARK draft counts its verify differently (B + 1): it keeps its checkpoint's.
+    _fake_ckpt(draft.with_name("dspark"), ["DSparkDraftModel"])
+    draft.with_name("dspark").joinpath("config.json").replace(draft / "config.json")
+    assert dm.resolve_default_model(ServerArgs(device="cpu")).speculative_num_draft_tokens is None
+
+
 def test_explicit_speculative_flags_win_over_bundled_draft(assets):
     pkg, draft = assets
     _install_fake_wheel(pkg)
