@@ -11,9 +11,9 @@ is slower at M = 1 (a bandwidth-bound gemv), so it serves from ``PACKED_MIN_ROWS
 (layers/utils.new_weight_matrix) serves the rest. The price is a second copy of the weights in memory (vLLM's CPU
 build drops the original and pays at M = 1 instead). Both packs are M-independent, so one serves every batch.
 
-At 1-16 rows sglite's small-M kernel (layers/cpu_small_m.py) may beat the pack (at one row, ``F.linear``), or not,
-by host and row count (docs/benchmarks.md, "The small-M kernel chosen per row count, session 15"): the probe times
-it against that route at ``SMALL_M_PROBE_ROWS`` per weight orientation (``PackedWeight.small_m_rows``).
+At 1-16 rows sglite's small-M kernel (layers/cpu_small_m.py) may beat the pack (1 row: ``F.linear``), or not, by
+host and row count (benchmarks.md, "The small-M kernel chosen per row count"): the probe times it against that
+route at ``SMALL_M_PROBE_ROWS`` per weight orientation (``PackedWeight.small_m_rows``).
 
 A weight loaded from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks also carries those blocks (``PackedWeight.gguf``):
 at 1-16 rows the GGUF kernel (layers/cpu_gguf_linear.py) reads them instead of the fp32 copy, at the row counts
@@ -71,8 +71,7 @@ DEFAULT_PACK_LAYOUT = "onednn"
 # Row counts at which the small-M kernel is timed against the pack; an untimed count r takes the verdict of the
 # first probed count >= r (a DFLASH verify block is 5 rows a request, a decode step 1 a request).
 SMALL_M_PROBE_ROWS = (1, 2, 4, 8, 12, 16)
-# Bit r set: the kernel serves r-row products. For weights too few to time (test models): 2-16 rows, a gemv staying
-# with F.linear (the kernel serves one row only where a probe timed it faster).
+# Bit r set: the kernel serves r-row products. Untimed (test models): 2-16 rows, a gemv stays with F.linear.
 ALL_SMALL_M_ROWS = sum(1 << r for r in range(PACKED_MIN_ROWS, SMALL_M_MAX_ROWS + 1))
 ORIENTATIONS = ("column-major", "row-major")  # layers (utils.new_weight_matrix) / a tied head's embedding
 # Row counts at which the GGUF kernel is timed against the fp32 route (one row: F.linear's gemv; 2-16: the small-M
@@ -149,16 +148,14 @@ def _linear_with_pack(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], small_m_rows: int,
     max_rows: int, gguf_blocks: Optional[torch.Tensor] = None, gguf_type: int = 0, gguf_rows: int = 0,
 ) -> torch.Tensor:
-    """The GGUF blocks at the row counts set in ``gguf_rows``; else the packed copy for ``PACKED_MIN_ROWS <= rows <=
-    max_rows`` (the small-M kernel at the row counts set in ``small_m_rows``), ``F.linear`` on the weight otherwise."""
+    """The GGUF blocks at the row counts set in ``gguf_rows``, else the small-M kernel at those set in ``small_m_rows``,
+    else the packed copy for ``PACKED_MIN_ROWS <= rows <= max_rows``, else ``F.linear`` on the weight."""
     rows = x.numel() // x.shape[-1]
     if gguf_blocks is not None and rows <= GGUF_MAX_ROWS and gguf_rows >> rows & 1:
-        quantized = gguf_linear(x, gguf_blocks, gguf_type, bias)
-        if quantized is not None:
+        if (quantized := gguf_linear(x, gguf_blocks, gguf_type, bias)) is not None:
             return quantized
     if rows <= SMALL_M_MAX_ROWS and small_m_rows >> rows & 1:
-        small = small_m_linear(x, weight, bias)
-        if small is not None:
+        if (small := small_m_linear(x, weight, bias)) is not None:
             return small
     if not PACKED_MIN_ROWS <= rows <= max_rows:
         return F.linear(x, weight, bias)
@@ -279,13 +276,12 @@ def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) ->
 def choose_small_m_rows(
     weights: list[torch.Tensor], packs: list[torch.Tensor]
 ) -> tuple[int, dict[int, tuple[float, float]]]:
-    """The row counts (bitmask) at which the small-M kernel beats the pack (at one row, ``F.linear``) on these
-    weights (one orientation).
+    """The row counts (bitmask) at which the small-M kernel beats the pack (1 row: F.linear) on these weights.
 
     ``packs``: the weights' packed copies, in order. The first PROBE_MIN_BYTES of them, both ways at each of
     SMALL_M_PROBE_ROWS (``_time_two_ways``), best of PROBE_REPEATS; a count r between probes takes the verdict of
-    the first probed count >= r. Too few bytes to time past the caches: every count the kernel covers. No kernel
-    (switched off, no compiler): none. Returns the mask and {rows: (kernel ms, pack ms)} (empty when untimed).
+    the first probed count >= r. Too few bytes to time past the caches: ALL_SMALL_M_ROWS. No kernel (switched off,
+    no compiler): none. Returns the mask and {rows: (kernel ms, other ms)} (empty when untimed).
     """
     if small_m_kernel() is None:
         return 0, {}
@@ -294,16 +290,10 @@ def choose_small_m_rows(
         return ALL_SMALL_M_ROWS, {}
     timed = _time_two_ways(
         probe, SMALL_M_PROBE_ROWS, PROBE_REPEATS,
-        lambda x, i: small_m_linear(x, probe[i], None), lambda x, i: _without_small_m(x, packs[i], probe[i]),
+        lambda x, i: small_m_linear(x, probe[i], None),  # against what serves those rows without it
+        lambda x, i: F.linear(x, probe[i]) if len(x) < PACKED_MIN_ROWS else _pack_linear(x, packs[i], probe[i], None),
     )
     return small_m_rows_where_faster(timed), timed
-
-
-def _without_small_m(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What serves ``x W^T`` where the small-M kernel does not: the pack from PACKED_MIN_ROWS, F.linear below."""
-    if x.shape[0] < PACKED_MIN_ROWS:
-        return F.linear(x, weight)
-    return _pack_linear(x, packed, weight, None)
 
 
 def _time_two_ways(
