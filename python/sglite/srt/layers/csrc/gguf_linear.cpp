@@ -7,8 +7,8 @@
 // summation order.
 //
 // Summation order is one fixed sequence per output element, whatever M and however the rows are split into
-// passes: two 8-lane partial sums per (row of x, row of W), lanes 0-7 and 16-23 of each 32-weight block into the
-// first, 8-15 and 24-31 into the second, then (first + second) reduced by one fixed tree. So row m of an M-row
+// passes: 16 partial sums per (row of x, row of W), elements 0-7 and 16-23 of each 32-weight block into sums 0-7,
+// 8-15 and 24-31 into sums 8-15, then sum p + sum p + 8 reduced by one fixed tree (see `finish`). So row m of an M-row
 // product equals the 1-row product of x[m] bit for bit (a DFLASH verify scores exactly what decode would).
 //
 // Plain C++ with a C entry point, loaded with ctypes (layers/cpu_gguf_linear.py); AVX-512F, else AVX2 + FMA, with
