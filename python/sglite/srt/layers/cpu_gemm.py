@@ -74,8 +74,8 @@ SMALL_M_PROBE_ROWS = (1, 2, 4, 8, 12, 16)
 # Bit r set: the kernel serves r-row products. Untimed (test models): 2-16 rows, a gemv stays with F.linear.
 ALL_SMALL_M_ROWS = sum(1 << r for r in range(PACKED_MIN_ROWS, SMALL_M_MAX_ROWS + 1))
 ORIENTATIONS = ("column-major", "row-major")  # layers (utils.new_weight_matrix) / a tied head's embedding
-# Row counts at which the GGUF kernel is timed against the fp32 route (one row: F.linear's gemv; 2-16: the small-M
-# kernel or the pack, as chosen), over the first GGUF_PROBE_MIN_BYTES of blocks (past a 32 MB L3), best of
+# Row counts at which the GGUF kernel is timed against the fp32 route (F.linear, the small-M kernel or the pack, as
+# chosen for that count), over the first GGUF_PROBE_MIN_BYTES of blocks (past a 32 MB L3), best of
 # GGUF_PROBE_REPEATS. The kernel is compute-bound where the fp32 route streams memory, so neither is a cache hit.
 GGUF_PROBE_ROWS = (1, 2, 4, 8, 12, 16)
 GGUF_PROBE_MIN_BYTES = 36 << 20
