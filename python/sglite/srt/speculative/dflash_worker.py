@@ -146,12 +146,11 @@ class DFlashWorker(BaseModelWorker):
         self.block_size = int(aux.draft_block_size)
         # Drafts one verify proposes: B for DSPARK with sample_from_anchor, B-1 for DFLASH.
         self.num_proposed_drafts = int(aux.num_proposed_drafts)
-        if self.block_size != int(self.draft_model.block_size):
-            logger.warning(
-                "draft block size %d differs from the draft checkpoint's block_size %d",
-                self.block_size,
-                self.draft_model.block_size,
-            )
+        trained = int(self.draft_model.block_size)
+        if self.block_size > trained:  # slots the draft never learned to fill
+            logger.warning("draft block size %d exceeds the draft checkpoint's block_size %d", self.block_size, trained)
+        elif self.block_size < trained:  # its first slots, as trained: a narrower verify (the bundled draft on CPU)
+            logger.info("draft block size %d, narrower than the draft checkpoint's block_size %d", self.block_size, trained)
         if ragged_verify_mode not in RAGGED_VERIFY_MODES:
             raise ValueError(f"ragged verify mode {ragged_verify_mode!r} is not one of {list(RAGGED_VERIFY_MODES)}")
         if ragged_verify_mode == "cap-accept" and getattr(self.draft_model, "confidence_head", None) is None:

@@ -6,6 +6,7 @@ The draft is trained here for a few seconds so acceptance is high but partial.
 """
 
 import contextlib
+import logging
 import time
 
 import pytest
@@ -466,13 +467,22 @@ def test_chunked_prefill_and_mixed_greedy_sampled_batch(trained):
         assert len(run.ids[f"r{i}"]) == max_new
 
 
-def test_num_draft_tokens_flag_overrides_the_checkpoint_block(trained):
+def test_num_draft_tokens_flag_overrides_the_checkpoint_block(trained, caplog):
     target_dir, tr, target, draft = trained
     prompts = [tr.prompts[15], tr.prompts[4] + target_greedy(target, tr.prompts[4], 2)]
     max_new = 15
+    caplog.set_level(logging.INFO, logger="sglite.srt.speculative.dflash_worker")
     with spec_scheduler(target_dir, tr.draft_dir, speculative_num_draft_tokens=3) as (sched, worker):
         assert worker.block_size == 3 and worker.num_decode_tokens_per_req == 3
         run = generate(sched, prompts, [greedy(max_new)] * len(prompts))
+    # A narrower block is the draft's first slots as trained (the bundled draft's CPU default): no warning.
+    narrower = [r for r in caplog.records if "draft block size 3" in r.getMessage()]
+    assert [r.levelno for r in narrower] == [logging.INFO]
+    caplog.clear()
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_num_draft_tokens=BLOCK + 2):
+        pass
+    wider = [r for r in caplog.records if f"draft block size {BLOCK + 2}" in r.getMessage()]
+    assert [r.levelno for r in wider] == [logging.WARNING]
     for i, p in enumerate(prompts):
         ref_ids, ref_lens = reference_block_generate(draft, target, p, max_new, block_size=3)
         assert run.ids[f"r{i}"] == ref_ids
