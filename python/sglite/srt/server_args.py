@@ -70,7 +70,8 @@ class ServerArgs:
     random_seed: int = _opt("Random seed for sampling without a per-request seed", 0)
     cpu_threads: Optional[int] = _opt(
         "Compute (OpenMP) threads per scheduler rank on CPU; default: the rank's CPUs in SGLANG_CPU_OMP_THREADS_BIND, "
-        "else this machine's CPUs less one for the front end, over --tp-size (managers/cpu_threads.py)"
+        "else this machine's CPUs less one for the front end, over the scheduler ranks; without a CPU list each rank "
+        "is pinned to its own CPUs when a CPU is left over for the front end (managers/cpu_threads.py)"
     )
 
     # HTTP server.

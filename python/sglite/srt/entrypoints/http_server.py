@@ -63,7 +63,7 @@ from sglite.srt.entrypoints.request_limits import (
     default_max_request_body_bytes,
 )
 from sglite.srt.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from sglite.srt.managers.cpu_threads import limit_to_one_thread
+from sglite.srt.managers.cpu_threads import limit_to_one_thread, pin_to_frontend_cpus
 from sglite.srt.managers.io_struct import GenerateReqInput
 from sglite.srt.managers.tokenizer_manager import EngineDeadError, RequestValidationError
 from sglite.srt.server_args import ServerArgs
@@ -386,7 +386,10 @@ def launch_server(server_args: ServerArgs, *, scheduler_entry: Any = None) -> in
     except LaunchError as e:
         logger.error("start-up failed: %s", e)
         return 1
-    limit_to_one_thread()  # after the spawns: the HTTP/tokenizer process leaves the cores to the scheduler
+    # After the spawns (they inherit this process's CPUs): the HTTP/tokenizer process leaves the cores to the
+    # scheduler ranks, on the CPUs they leave over.
+    pin_to_frontend_cpus(server_args)
+    limit_to_one_thread()
     exit_status = 0
     try:
         app = create_app(runtime)

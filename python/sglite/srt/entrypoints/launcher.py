@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
 from sglite.srt.managers.base_model_worker import format_rank_report
-from sglite.srt.managers.cpu_threads import frontend_spawn_env, scheduler_spawn_env
+from sglite.srt.managers.cpu_threads import frontend_spawn_env, pin_to_frontend_cpus, scheduler_spawn_env
 from sglite.srt.managers.data_parallel_controller import DPEndpoints, run_data_parallel_controller_process
 from sglite.srt.managers.detokenizer_manager import load_tokenizer
 from sglite.srt.managers.io_struct import PortArgs, SchedulerInitError, SchedulerReady, free_port
@@ -131,6 +131,7 @@ def spawn_detokenizer(ctx: Any, server_args: ServerArgs, port_args: PortArgs, pr
     )
     with frontend_spawn_env():
         detok.start()
+    pin_to_frontend_cpus(server_args, detok.pid)  # off the scheduler ranks' CPUs, before it imports torch
     processes.append(("detokenizer", detok))
     return detok
 
@@ -237,6 +238,7 @@ def _launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callabl
             name="sglite-dp-controller", daemon=True,
         )
         controller.start()
+        pin_to_frontend_cpus(server_args, controller.pid)
         processes.append(("data-parallel controller", controller))
         replica_devices = _replica_cuda_devices(server_args)
         for pl in placements:

@@ -77,7 +77,11 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
     )
     try:
         if server_args.resolved_device() == "cpu":
-            apply_scheduler_threads(server_args.cpu_threads, rank, world_size)
+            plan = apply_scheduler_threads(server_args, rank, world_size, port_args.dp_rank)
+            logging.getLogger(__name__).info(
+                "CPU compute threads: %d, %s", plan.num_threads,
+                f"pinned to CPUs {','.join(map(str, plan.cpus))}" if plan.cpus is not None else "not pinned",
+            )
         tokenizer_path = server_args.tokenizer_path or server_args.model_path
         with ThreadPoolExecutor(1, thread_name_prefix="sglite-tokenizer-load") as pool:
             # Importing transformers and reading tokenizer.json overlaps the weight load, whose numpy /
