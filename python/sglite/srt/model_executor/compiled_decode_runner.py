@@ -7,11 +7,14 @@ paged attention of ``layers/attention/compiled_decode.py`` reads K/V through the
 (docs/benchmarks.md, "Compiled CPU decode"). vLLM's CPU build compiles its forward the same way.
 
 What runs compiled: DECODE forwards of the target (not a draft) with ``1 <= batch <=
---torch-compile-max-bs`` requests (one graph for all: see ``run``), and, for a DFLASH-family target, its
-TARGET_VERIFY blocks (W tokens a request, causal among them: a second graph of the same function, for every
-W >= 2); the model body only (embedding, layers, final norm; the LM head and logits stay eager). Other
-forwards (prefill, mixed, the draft's block, larger batches) run eagerly, as SGLang does above its captured
-batch sizes. The graphs are compiled at start-up (``warm_up``), so no request waits on a compile. Inductor
+--torch-compile-max-bs`` requests (one graph for all: see ``run``), and blocks of W >= 2 new tokens a request,
+causal among them, through a second graph of the same function (W a symbol): a DFLASH-family target's
+TARGET_VERIFY blocks, and prefill (EXTEND) batches whose requests all bring the same number of new tokens, as
+equal-length prompts do, while their attention scores stay within ``MAX_BLOCK_SCORES``. The model body only
+(embedding, layers, final norm; the LM head and logits stay eager). Other forwards (prompts of different lengths,
+mixed prefill + decode, the draft's block, larger batches) run eagerly, as SGLang does above its captured batch
+sizes. A 32-token prompt at batch 1 on the 200 M model runs 5.7% faster compiled (docs/benchmarks.md, "Compiled
+prefill blocks, session 18"): the norms, rotary and SiLU*mul fuse as in decode; its GEMMs are the same. The graphs are compiled at start-up (``warm_up``), so no request waits on a compile. Inductor
 caches its code on disk, so a later start with the same model recompiles faster. The numbers are not
 bit-identical to eager (fused fp32 arithmetic in another order): tests bound the logits difference and
 check greedy output on models with clear margins.
@@ -43,8 +46,11 @@ FLAG = "--enable-torch-compile"
 # The warm-up batch: 2 requests of 3 keys each. The key-length dim is a backed symbol, which Dynamo would
 # specialise at 1 and merge with any equal backed dim (duck sizing); either would recompile on real traffic.
 WARM_UP_BS, WARM_UP_KEYS = 2, 3
-# The verify graph's warm-up width: a symbol of its own (2, not the key count), so any block width from 2 up runs.
-WARM_UP_VERIFY_WIDTH = 2
+# The block graph's warm-up width: a symbol of its own (2, not the key count), so any block width from 2 up runs.
+WARM_UP_BLOCK_WIDTH = 2
+# The block graph's attention materialises its fp32 scores, [batch, W, keys, query heads]: a prefill batch past
+# this many (64 MB; SmolLM2's 9 heads reach it at one 1365-token prompt) runs eagerly, where SDPA tiles them.
+MAX_BLOCK_SCORES = 1 << 24
 
 
 class CompiledDecodeError(ValueError):
@@ -107,7 +113,8 @@ def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class CompiledDecodeRunner:
-    """Runs a ModelRunner's eligible decode and verify forwards through ``torch.compile`` of its model body."""
+    """Runs a ModelRunner's eligible decode, prefill-block and verify forwards through ``torch.compile`` of its model
+    body."""
 
     def __init__(self, model_runner: "ModelRunner") -> None:
         check_compiled_decode_supported(model_runner)
@@ -116,10 +123,11 @@ class CompiledDecodeRunner:
         self.max_bs = model_runner.server_args.torch_compile_max_bs
         self.attention = CompiledDecodeAttention(model_runner.token_to_kv_pool)
         self.capture = self._decode_capture_layers()
-        # A DFLASH-family target also runs its verify blocks (W > 1 tokens a request) through a second graph of
-        # the same function: the draft-free and verify forwards capture the same layers.
+        # Blocks of W > 1 tokens a request run through a second graph of the same function: equal-length prefills,
+        # and a DFLASH-family target's verify blocks (its prefill, draft-free and verify forwards capture the same
+        # layers).
         self.verifies = self.capture is not None
-        # Only the batch, key-length and verify-width dims are symbolic (``run`` marks them); everything else, the
+        # Only the batch, key-length and block-width dims are symbolic (``run`` marks them); everything else, the
         # capture list's layer ids included, is a constant of the graph (dynamic=True would trace those ints too).
         self._compiled = torch.compile(self._model_body, fullgraph=True)
 
@@ -132,15 +140,28 @@ class CompiledDecodeRunner:
         return self.model.model(input_ids.reshape(-1), positions.reshape(-1), batch)
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        """Whether this forward is one the compiled graphs serve: a decode step, or a DFLASH-family verify block."""
-        mode = forward_batch.forward_mode
-        return (
-            (mode == ForwardMode.DECODE or (mode == ForwardMode.TARGET_VERIFY and self.verifies))
-            and 1 <= forward_batch.batch_size <= self.max_bs
+        """Whether this forward is one the compiled graphs serve: a decode step, an equal-length prefill, or a
+        DFLASH-family verify block."""
+        if not (
+            1 <= forward_batch.batch_size <= self.max_bs
             and forward_batch.input_embeds is None
             and forward_batch.token_to_kv_pool is self.attention.token_to_kv_pool
             and forward_batch.aux_layers() == self.capture
-        )
+        ):
+            return False
+        mode = forward_batch.forward_mode
+        if mode == ForwardMode.EXTEND:
+            return self._is_block_prefill(forward_batch)
+        return mode == ForwardMode.DECODE or (mode == ForwardMode.TARGET_VERIFY and self.verifies)
+
+    def _is_block_prefill(self, forward_batch: ForwardBatch) -> bool:
+        """An EXTEND whose requests all bring the same W >= 2 new tokens, with scores the block graph may hold."""
+        new_tokens = forward_batch.extend_seq_lens_cpu
+        width = new_tokens[0]
+        if width < 2 or any(n != width for n in new_tokens):
+            return False
+        scores = forward_batch.batch_size * width * max(forward_batch.seq_lens_cpu) * self.model.config.num_attention_heads
+        return scores <= MAX_BLOCK_SCORES
 
     @torch.inference_mode()  # as the workers run; Dynamo guards on the mode, so every call matches the graph
     def run(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
@@ -157,7 +178,7 @@ class CompiledDecodeRunner:
         for t in (input_ids, positions, slots.seq_lens, slots.out_cache_loc, slots.kv_indices):
             torch._dynamo.decorators.mark_unbacked(t, 0)
         torch._dynamo.mark_dynamic(slots.kv_indices, 1)
-        if width > 1:  # a verify block: its width is a symbol too (a decode step's 1 is a constant of its graph)
+        if width > 1:  # a block: its width is a symbol too (a decode step's 1 is a constant of its graph)
             for t in (input_ids, positions, slots.query_offsets):
                 torch._dynamo.mark_dynamic(t, t.dim() - 1)
         hidden, aux = self._compiled(input_ids, positions, slots)
@@ -173,7 +194,9 @@ class CompiledDecodeRunner:
     def warm_up(self) -> None:
         """Compile the graphs on dummy batches: req row 0 and KV slot 0, the reserved padding."""
         runner = self.model_runner
-        modes = [(ForwardMode.DECODE, 1)] + ([(ForwardMode.TARGET_VERIFY, WARM_UP_VERIFY_WIDTH)] if self.verifies else [])
+        # One batch per graph: the block graph through a verify block where the target verifies, else a prefill.
+        block_mode = ForwardMode.TARGET_VERIFY if self.verifies else ForwardMode.EXTEND
+        modes = [(ForwardMode.DECODE, 1), (block_mode, WARM_UP_BLOCK_WIDTH)]
         logger.info(
             "Compile decode forward (torch.compile) begin: batch sizes 1 to %d, %s",
             self.max_bs, " and ".join(m.name for m, _ in modes),
