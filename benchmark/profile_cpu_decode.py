@@ -2,7 +2,7 @@
 
     python benchmark/profile_cpu_decode.py step --model-path DIR --batch-size 1 8 32 [--profile] [--no-pack | --pack-layout L]
         [--enable-torch-compile]
-    python benchmark/profile_cpu_decode.py compiled --model-path DIR --batch-size 8 32
+    python benchmark/profile_cpu_decode.py compiled --model-path DIR --batch-size 8 32 [--prefill]
     python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024 [--copies 12]
     python benchmark/profile_cpu_decode.py spec-disable --num-prompts 32 --output-len 48
     python benchmark/profile_cpu_decode.py spec-step [--enable-torch-compile]
@@ -121,8 +121,32 @@ def step(args: argparse.Namespace) -> None:
         runner.req_to_token_pool.free(rows)
 
 
+def _compiled_prefill(runner, eager, rows: list[int], prompts: list[list[int]], reps: int) -> None:
+    """``compiled --prefill``: one 32-token prompt per row, through the block graph and eagerly, alternated."""
+    from sglite.srt.model_executor.forward_batch_info import ForwardMode
+
+    loc = runner.token_to_kv_pool_allocator.alloc(sum(map(len, prompts)))
+    cpu: dict[str, list[float]] = {"compiled": [], "eager": []}
+    diff = 0.0
+    for i in range(reps):
+        fb = runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)], out_cache_loc=loc)
+        assert runner.compiled_decode.can_run(fb)
+        got = {}
+        for kind in (("compiled", "eager") if i % 2 == 0 else ("eager", "compiled")):
+            t = time.process_time()
+            got[kind] = runner.compiled_decode.run(fb).next_token_logits if kind == "compiled" else eager(fb)
+            cpu[kind].append(time.process_time() - t)
+        diff = max(diff, (got["compiled"] - got["eager"]).abs().max().item())
+    med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in cpu.items()}
+    print(f"bs {len(rows)} prefill of {len(prompts[0])} tokens: eager {med['eager']:.1f} ms, compiled "
+          f"{med['compiled']:.1f} ms CPU ({med['eager'] / med['compiled']:.3f}x); max |logit diff| {diff:.1e}")
+    runner.token_to_kv_pool_allocator.free(loc)
+    runner.req_to_token_pool.free(rows)
+
+
 def compiled(args: argparse.Namespace) -> None:
-    """CPU ms per decode step, the compiled graph (--enable-torch-compile) vs the eager forward, same batches.
+    """CPU ms per decode step (``--prefill``: per 32-token prefill), the compiled graph (--enable-torch-compile) vs
+    the eager forward, same batches.
 
     One runner; each step runs both ways on the same slots (the eager forward rewrites the same K/V), in
     alternating order, and the logits are compared. Greedy continues from the eager logits.
@@ -147,6 +171,9 @@ def compiled(args: argparse.Namespace) -> None:
         for bs in args.batch_size:
             rows = runner.req_to_token_pool.alloc(bs)
             prompts = random_prompt_ids(bs, 32, vocab, 0)
+            if args.prefill:
+                _compiled_prefill(runner, eager, rows, prompts, args.steps)
+                continue
             out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)]))
             nxt, seq = torch.argmax(out.next_token_logits, -1).tolist(), 32
             cpu = {"compiled": [], "eager": []}
@@ -332,6 +359,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--model-path", required=True)
     c.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])
     c.add_argument("--steps", type=int, default=12)
+    c.add_argument("--prefill", action="store_true", help="time equal-length 32-token prefills (the block graph)")
     g = sub.add_parser("gemm")
     g.add_argument("--shapes", choices=sorted(SHAPES), default="200m")
     g.add_argument("--gguf", nargs=2, metavar=("LAYERS_TYPE", "HEAD_TYPE"),
