@@ -63,7 +63,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "one (as sglite serve does for the bundled draft); 'none': the full head")
     p.add_argument("--prompt-set", default="chat", choices=("chat", "toy"))
     p.add_argument("--speculative-algorithm", default="DFLASH", choices=("DFLASH", "DSPARK"))
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="B; default: the checkpoint's")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="B; default: what `sglite serve` uses with the draft (the bundled draft: 3 on CPU), else the checkpoint's")
     p.add_argument("--variants", nargs="+", default=["plain", "spec"], choices=VARIANTS,
                    help="plain: no draft; spec: the draft on every step; adaptive: --speculative-adaptive "
                         "(draft only while it pays, the default server's setting); draft-off: the draft loaded but never "
@@ -93,6 +93,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import sglite
     from sglite.bench_offline import run_engine
+    from sglite.srt.default_model import DEFAULT_DRAFT_DIR, default_draft_num_draft_tokens
 
     prompts = _heldout_prompts(args.model_path, args.prompt_set, args.num_prompts, args.seed)
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
@@ -104,9 +105,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         token_map = shipped if os.path.isfile(shipped) else None
     elif token_map == "none":
         token_map = None
+    num_draft_tokens = args.speculative_num_draft_tokens
+    if num_draft_tokens is None and os.path.realpath(args.draft_model_path) == os.path.realpath(DEFAULT_DRAFT_DIR):
+        # What `sglite serve` verifies with the bundled draft on this device (3 on CPU), not the checkpoint's 5.
+        num_draft_tokens = default_draft_num_draft_tokens(args.speculative_algorithm, args.device)
     spec_args = {"speculative_algorithm": args.speculative_algorithm,
                  "speculative_draft_model_path": args.draft_model_path,
-                 "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+                 "speculative_num_draft_tokens": num_draft_tokens,
                  "speculative_token_map": token_map}
     extras = {"plain": {}, "spec": {**spec_args, "speculative_adaptive": False},
               "adaptive": {**spec_args, "speculative_adaptive": True},

@@ -121,6 +121,16 @@ def step(args: argparse.Namespace) -> None:
         runner.req_to_token_pool.free(rows)
 
 
+def _both_ways(runner, eager, fb, i: int, cpu: dict[str, list[float]]) -> dict[str, torch.Tensor]:
+    """``fb``'s logits compiled and eagerly, in an order that alternates with ``i``; each call's CPU time appended."""
+    got = {}
+    for kind in (("compiled", "eager") if i % 2 == 0 else ("eager", "compiled")):
+        t = time.process_time()
+        got[kind] = runner.compiled_decode.run(fb).next_token_logits if kind == "compiled" else eager(fb)
+        cpu[kind].append(time.process_time() - t)
+    return got
+
+
 def _compiled_prefill(runner, eager, rows: list[int], prompts: list[list[int]], reps: int) -> None:
     """``compiled --prefill``: one 32-token prompt per row, through the block graph and eagerly, alternated."""
     from sglite.srt.model_executor.forward_batch_info import ForwardMode
@@ -131,11 +141,7 @@ def _compiled_prefill(runner, eager, rows: list[int], prompts: list[list[int]], 
     for i in range(reps):
         fb = runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)], out_cache_loc=loc)
         assert runner.compiled_decode.can_run(fb)
-        got = {}
-        for kind in (("compiled", "eager") if i % 2 == 0 else ("eager", "compiled")):
-            t = time.process_time()
-            got[kind] = runner.compiled_decode.run(fb).next_token_logits if kind == "compiled" else eager(fb)
-            cpu[kind].append(time.process_time() - t)
+        got = _both_ways(runner, eager, fb, i, cpu)
         diff = max(diff, (got["compiled"] - got["eager"]).abs().max().item())
     med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in cpu.items()}
     print(f"bs {len(rows)} prefill of {len(prompts[0])} tokens: eager {med['eager']:.1f} ms, compiled "
@@ -180,11 +186,7 @@ def compiled(args: argparse.Namespace) -> None:
             diff, flips = 0.0, 0
             for i in range(args.steps):
                 fb = runner.build_forward_batch(ForwardMode.DECODE, [(r, seq, [t]) for r, t in zip(rows, nxt)])
-                got = {}
-                for kind in (("compiled", "eager") if i % 2 == 0 else ("eager", "compiled")):
-                    t = time.process_time()
-                    got[kind] = runner.compiled_decode.run(fb).next_token_logits if kind == "compiled" else eager(fb)
-                    cpu[kind].append(time.process_time() - t)
+                got = _both_ways(runner, eager, fb, i, cpu)
                 diff = max(diff, (got["compiled"] - got["eager"]).abs().max().item())
                 flips += int((got["compiled"].argmax(-1) != got["eager"].argmax(-1)).sum())
                 nxt, seq = got["eager"].argmax(-1).tolist(), seq + 1

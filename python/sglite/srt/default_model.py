@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+from typing import Optional
 
 from sglite.srt.server_args import ServerArgs, ServerArgsError
 
@@ -85,12 +86,17 @@ def resolve_default_model(args: ServerArgs) -> ServerArgs:
         token_map = os.path.join(DEFAULT_DRAFT_DIR, DEFAULT_DRAFT_TOKEN_MAP_FILE)
         if args.speculative_token_map is None and os.path.isfile(token_map):
             updates["speculative_token_map"] = token_map
-        if (
-            updates["speculative_algorithm"] == "DFLASH" and args.speculative_num_draft_tokens is None
-            and args.resolved_device() == "cpu"
-        ):
-            updates["speculative_num_draft_tokens"] = DEFAULT_DRAFT_CPU_NUM_DRAFT_TOKENS
+        if args.speculative_num_draft_tokens is None:
+            width = default_draft_num_draft_tokens(str(updates["speculative_algorithm"]), args.resolved_device())
+            if width is not None:
+                updates["speculative_num_draft_tokens"] = width
     return dataclasses.replace(args, **updates)
+
+
+def default_draft_num_draft_tokens(algorithm: str, device: str) -> Optional[int]:
+    """Tokens a verify of the bundled draft checks when no flag says: 3 for DFLASH on CPU, else None (the
+    checkpoint's block)."""
+    return DEFAULT_DRAFT_CPU_NUM_DRAFT_TOKENS if algorithm == "DFLASH" and device == "cpu" else None
 
 
 def describe_model_choice(original: ServerArgs, resolved: ServerArgs) -> str:
