@@ -13,9 +13,10 @@ TARGET_VERIFY blocks, and prefill (EXTEND) batches whose requests all bring the 
 equal-length prompts do, while their attention scores stay within ``MAX_BLOCK_SCORES``. The model body only
 (embedding, layers, final norm; the LM head and logits stay eager). Other forwards (prompts of different lengths,
 mixed prefill + decode, the draft's block, larger batches) run eagerly, as SGLang does above its captured batch
-sizes. A 32-token prompt at batch 1 on the 200 M model runs 5.7% faster compiled (docs/benchmarks.md, "Compiled
-prefill blocks, session 18"): the norms, rotary and SiLU*mul fuse as in decode; its GEMMs are the same. The graphs are compiled at start-up (``warm_up``), so no request waits on a compile. Inductor
-caches its code on disk, so a later start with the same model recompiles faster. The numbers are not
+sizes. A 32-token prompt at batch 1 runs 1.06x (the 200 M model) to 1.17x (SmolLM2) as fast compiled, 1.02x at
+batch 8 and 32 (docs/benchmarks.md, "CPU pinning and compiled prefill blocks, session 18"): the norms, rotary and
+SiLU*mul fuse as in decode; its GEMMs are the same. The graphs are compiled at start-up (``warm_up``), so no request
+waits on a compile. Inductor caches its code on disk, so a later start with the same model recompiles faster. The numbers are not
 bit-identical to eager (fused fp32 arithmetic in another order): tests bound the logits difference and
 check greedy output on models with clear margins.
 
