@@ -63,7 +63,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "one (as sglite serve does for the bundled draft); 'none': the full head")
     p.add_argument("--prompt-set", default="chat", choices=("chat", "toy"))
     p.add_argument("--speculative-algorithm", default="DFLASH", choices=("DFLASH", "DSPARK"))
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="B; default: what `sglite serve` uses with the draft (the bundled draft: 3 on CPU), else the checkpoint's")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="B; default: what `sglite serve` uses with the bundled draft (3 on CPU), else the checkpoint's")
     p.add_argument("--variants", nargs="+", default=["plain", "spec"], choices=VARIANTS,
                    help="plain: no draft; spec: the draft on every step; adaptive: --speculative-adaptive "
                         "(draft only while it pays, the default server's setting); draft-off: the draft loaded but never "

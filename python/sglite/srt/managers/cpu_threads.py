@@ -95,7 +95,9 @@ def plan_cpu_threads(
     return CpuThreadPlan(num_threads, _auto_cpus(available, num_threads, rank_index, num_ranks))
 
 
-def _auto_cpus(available: tuple[int, ...], num_threads: int, rank_index: int, num_ranks: int) -> Optional[tuple[int, ...]]:
+def _auto_cpus(
+    available: tuple[int, ...], num_threads: int, rank_index: int, num_ranks: int
+) -> Optional[tuple[int, ...]]:
     """Rank ``rank_index``'s consecutive share of ``available``, when the ranks leave a CPU for the front end."""
     if num_threads * num_ranks >= len(available):
         return None  # pinning would leave the front end no CPU of its own
@@ -129,19 +131,26 @@ def scheduler_rank_index(rank: int, world_size: int, dp_rank: int, enable_dp_att
     return rank if enable_dp_attention else dp_rank * world_size + rank
 
 
+def _server_inputs(server_args: "ServerArgs") -> dict:
+    """What a plan reads besides the rank: the flag, the rank count, the env values and this process's CPUs."""
+    return dict(
+        cpu_threads=server_args.cpu_threads,
+        num_ranks=num_scheduler_ranks(server_args.tp_size, server_args.dp_size, server_args.enable_dp_attention),
+        bind=os.environ.get(OMP_BIND_ENV),
+        available=tuple(os.sched_getaffinity(0)),
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+    )
+
+
 def apply_scheduler_threads(server_args: "ServerArgs", rank: int, world_size: int, dp_rank: int = 0) -> CpuThreadPlan:
     """Pin and size this scheduler rank's compute threads (call at process start, before the model loads)."""
     import torch
 
     plan = plan_cpu_threads(
-        server_args.cpu_threads,
-        scheduler_rank_index(rank, world_size, dp_rank, server_args.enable_dp_attention),
-        num_scheduler_ranks(server_args.tp_size, server_args.dp_size, server_args.enable_dp_attention),
-        os.environ.get(OMP_BIND_ENV),
-        tuple(os.sched_getaffinity(0)),
-        os.environ.get("OMP_NUM_THREADS"),
+        rank_index=scheduler_rank_index(rank, world_size, dp_rank, server_args.enable_dp_attention),
         tp_rank=rank,
         tp_size=world_size,
+        **_server_inputs(server_args),
     )
     if plan.cpus is not None:
         pin_process(0, plan.cpus)
@@ -165,13 +174,7 @@ def pin_process(pid: int, cpus: tuple[int, ...]) -> None:
 
 def pin_to_frontend_cpus(server_args: "ServerArgs", pid: int = 0) -> Optional[tuple[int, ...]]:
     """Pin process ``pid`` (0: this one) to the CPUs the server's scheduler ranks leave; call before any pinning."""
-    cpus = frontend_cpus(
-        server_args.cpu_threads,
-        num_scheduler_ranks(server_args.tp_size, server_args.dp_size, server_args.enable_dp_attention),
-        os.environ.get(OMP_BIND_ENV),
-        tuple(os.sched_getaffinity(0)),
-        os.environ.get("OMP_NUM_THREADS"),
-    )
+    cpus = frontend_cpus(**_server_inputs(server_args))
     if cpus:
         pin_process(pid, cpus)
     return cpus

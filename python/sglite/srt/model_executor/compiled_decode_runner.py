@@ -16,9 +16,9 @@ mixed prefill + decode, the draft's block, larger batches) run eagerly, as SGLan
 sizes. A 32-token prompt at batch 1 runs 1.06x (the 200 M model) to 1.17x (SmolLM2) as fast compiled, 1.02x at
 batch 8 and 32 (docs/benchmarks.md, "CPU pinning and compiled prefill blocks, session 18"): the norms, rotary and
 SiLU*mul fuse as in decode; its GEMMs are the same. The graphs are compiled at start-up (``warm_up``), so no request
-waits on a compile. Inductor caches its code on disk, so a later start with the same model recompiles faster. The numbers are not
-bit-identical to eager (fused fp32 arithmetic in another order): tests bound the logits difference and
-check greedy output on models with clear margins.
+waits on a compile. Inductor caches its code on disk, so a later start with the same model recompiles faster. The
+numbers are not bit-identical to eager (fused fp32 arithmetic in another order): tests bound the logits difference
+and check greedy output on models with clear margins.
 
 Supported: CPU, TP 1 without DP attention, Llama-family models (Llama, Qwen2, Qwen3), a KV pool stored
 in the model dtype. Anything else is a start-up error naming the flag.
@@ -161,8 +161,8 @@ class CompiledDecodeRunner:
         width = new_tokens[0]
         if width < 2 or any(n != width for n in new_tokens):
             return False
-        scores = forward_batch.batch_size * width * max(forward_batch.seq_lens_cpu) * self.model.config.num_attention_heads
-        return scores <= MAX_BLOCK_SCORES
+        heads = self.model.config.num_attention_heads
+        return forward_batch.batch_size * width * max(forward_batch.seq_lens_cpu) * heads <= MAX_BLOCK_SCORES
 
     @torch.inference_mode()  # as the workers run; Dynamo guards on the mode, so every call matches the graph
     def run(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
