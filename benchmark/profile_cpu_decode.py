@@ -131,27 +131,27 @@ def _both_ways(runner, eager, fb, i: int, cpu: dict[str, list[float]]) -> dict[s
     return got
 
 
-def _compiled_prefill(runner, eager, rows: list[int], prompts: list[list[int]], reps: int) -> None:
-    """``compiled --prefill``: one 32-token prompt per row, through the block graph and eagerly, alternated."""
+def _compiled_extend(runner, eager, reqs: list[tuple[int, int, list[int]]], reps: int, label: str) -> None:
+    """``compiled --prefill / --mixed``: one EXTEND batch of (row, prefix, new tokens), through the token graph and
+    eagerly, alternated."""
     from sglite.srt.model_executor.forward_batch_info import ForwardMode
 
-    loc = runner.token_to_kv_pool_allocator.alloc(sum(map(len, prompts)))
+    loc = runner.token_to_kv_pool_allocator.alloc(sum(len(new) for _, _, new in reqs))
     cpu: dict[str, list[float]] = {"compiled": [], "eager": []}
     diff = 0.0
     for i in range(reps):
-        fb = runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)], out_cache_loc=loc)
+        fb = runner.build_forward_batch(ForwardMode.EXTEND, reqs, out_cache_loc=loc)
         assert runner.compiled_decode.can_run(fb)
         got = _both_ways(runner, eager, fb, i, cpu)
         diff = max(diff, (got["compiled"] - got["eager"]).abs().max().item())
     med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in cpu.items()}
-    print(f"bs {len(rows)} prefill of {len(prompts[0])} tokens: eager {med['eager']:.1f} ms, compiled "
+    print(f"bs {len(reqs)} {label}: eager {med['eager']:.1f} ms, compiled "
           f"{med['compiled']:.1f} ms CPU ({med['eager'] / med['compiled']:.3f}x); max |logit diff| {diff:.1e}")
     runner.token_to_kv_pool_allocator.free(loc)
-    runner.req_to_token_pool.free(rows)
 
 
 def compiled(args: argparse.Namespace) -> None:
-    """CPU ms per decode step (``--prefill``: per 32-token prefill), the compiled graph (--enable-torch-compile) vs
+    """CPU ms per decode step (``--prefill``: per 32-token prefill; ``--mixed``: per mixed step), the compiled graph (--enable-torch-compile) vs
     the eager forward, same batches.
 
     One runner; each step runs both ways on the same slots (the eager forward rewrites the same K/V), in
@@ -178,7 +178,16 @@ def compiled(args: argparse.Namespace) -> None:
             rows = runner.req_to_token_pool.alloc(bs)
             prompts = random_prompt_ids(bs, 32, vocab, 0)
             if args.prefill:
-                _compiled_prefill(runner, eager, rows, prompts, args.steps)
+                reqs = [(r, 0, p) for r, p in zip(rows, prompts)]
+                _compiled_extend(runner, eager, reqs, args.steps, f"prefill of {len(prompts[0])} tokens")
+                runner.req_to_token_pool.free(rows)
+                continue
+            if args.mixed:
+                # A mixed step as a server runs it: one new 32-token prompt beside bs - 1 decode rows at 64 keys
+                # (their K/V slots: whatever the pool holds; the timing does not depend on the values).
+                reqs = [(rows[0], 0, prompts[0])] + [(r, 63, p[:1]) for r, p in zip(rows[1:], prompts[1:])]
+                _compiled_extend(runner, eager, reqs, args.steps, f"mixed step, one {len(prompts[0])}-token prompt")
+                runner.req_to_token_pool.free(rows)
                 continue
             out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)]))
             nxt, seq = torch.argmax(out.next_token_logits, -1).tolist(), 32
@@ -361,7 +370,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--model-path", required=True)
     c.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])
     c.add_argument("--steps", type=int, default=12)
-    c.add_argument("--prefill", action="store_true", help="time equal-length 32-token prefills (the block graph)")
+    c.add_argument("--prefill", action="store_true", help="time equal-length 32-token prefills (the token graph)")
+    c.add_argument("--mixed", action="store_true",
+                   help="time mixed steps: one 32-token prompt beside batch - 1 decode rows (the token graph)")
     g = sub.add_parser("gemm")
     g.add_argument("--shapes", choices=sorted(SHAPES), default="200m")
     g.add_argument("--gguf", nargs=2, metavar=("LAYERS_TYPE", "HEAD_TYPE"),

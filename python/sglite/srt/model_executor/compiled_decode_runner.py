@@ -6,19 +6,20 @@ Inductor fuses the norms, rotary, SiLU*mul and residual adds into a few C++ loop
 paged attention of ``layers/attention/compiled_decode.py`` reads K/V through the slot table
 (docs/benchmarks.md, "Compiled CPU decode"). vLLM's CPU build compiles its forward the same way.
 
-What runs compiled: DECODE forwards of the target (not a draft) with ``1 <= batch <=
---torch-compile-max-bs`` requests (one graph for all: see ``run``), and blocks of W >= 2 new tokens a request,
-causal among them, through a second graph of the same function (W a symbol): a DFLASH-family target's
-TARGET_VERIFY blocks, and prefill (EXTEND) batches whose requests all bring the same number of new tokens, as
-equal-length prompts do, while their attention scores stay within ``MAX_BLOCK_SCORES``. The model body only
-(embedding, layers, final norm; the LM head and logits stay eager). Other forwards (prompts of different lengths,
-mixed prefill + decode, the draft's block, larger batches) run eagerly, as SGLang does above its captured batch
-sizes. A 32-token prompt at batch 1 runs 1.06x (the 200 M model) to 1.17x (SmolLM2) as fast compiled, 1.02x at
-batch 8 and 32 (docs/benchmarks.md, "CPU pinning and compiled prefill blocks, session 18"): the norms, rotary and
-SiLU*mul fuse as in decode; its GEMMs are the same. The graphs are compiled at start-up (``warm_up``), so no request
-waits on a compile. Inductor caches its code on disk, so a later start with the same model recompiles faster. The
-numbers are not bit-identical to eager (fused fp32 arithmetic in another order): tests bound the logits difference
-and check greedy output on models with clear margins.
+What runs compiled: forwards of the target (not a draft) with ``1 <= batch <= --torch-compile-max-bs`` requests,
+through two graphs of the same function. DECODE steps run through the decode graph (one graph for every batch
+size: see ``run``). Every other forward of new tokens runs through the token graph, whose attention gives each
+new token its request's slot-table row and its own key index: prefills, whatever their prompt lengths, mixed
+prefill + decode steps, and a DFLASH-family target's TARGET_VERIFY blocks, while the fp32 attention scores stay
+within ``MAX_BLOCK_SCORES``. The model body only (embedding, layers, final norm; the LM head and logits stay
+eager). Other forwards (the draft's block, longer prompts, larger batches) run eagerly, as SGLang does above its
+captured batch sizes. A 32-token prompt at batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and
+32; a mixed step (one 32-token prompt beside 7 or 31 decode rows) 1.04x / 1.07x (docs/benchmarks.md, "CPU pinning
+and compiled prefill blocks, session 18" and "Mixed steps compiled, session 19"): the norms, rotary and SiLU*mul
+fuse as in decode; the GEMMs, which dominate these forwards, are the same. The graphs are compiled at start-up
+(``warm_up``), so no request waits on a compile. Inductor caches its code on disk, so a later start with the same
+model recompiles faster. The numbers are not bit-identical to eager (fused fp32 arithmetic in another order):
+tests bound the logits difference and check greedy output on models with clear margins.
 
 Supported: CPU, TP 1 without DP attention, Llama-family models (Llama, Qwen2, Qwen3), a KV pool stored
 in the model dtype. Anything else is a start-up error naming the flag.
@@ -44,12 +45,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FLAG = "--enable-torch-compile"
-# The warm-up batch: 2 requests of 3 keys each. The key-length dim is a backed symbol, which Dynamo would
+# The warm-up batches: 2 requests of 3 keys each. The key-length dim is a backed symbol, which Dynamo would
 # specialise at 1 and merge with any equal backed dim (duck sizing); either would recompile on real traffic.
-WARM_UP_BS, WARM_UP_KEYS = 2, 3
-# The block graph's warm-up width: a symbol of its own (2, not the key count), so any block width from 2 up runs.
-WARM_UP_BLOCK_WIDTH = 2
-# The block graph's attention materialises its fp32 scores, [batch, W, keys, query heads]: a prefill batch past
+WARM_UP_KEYS = 3
+# The token graph's warm-up: new tokens per request, unequal so that nothing in the graph assumes equal counts.
+WARM_UP_NEW_TOKENS = [2, 1]
+# The token graph's attention materialises its fp32 scores, [new tokens, keys, query heads]: a prefill batch past
 # this many (64 MB; SmolLM2's 9 heads reach it at one 1365-token prompt) runs eagerly, where SDPA tiles them.
 MAX_BLOCK_SCORES = 1 << 24
 
@@ -91,21 +92,37 @@ def check_compiled_decode_supported(model_runner: "ModelRunner") -> None:
         raise CompiledDecodeError(f"{FLAG} needs a C++ compiler for Inductor's CPU code: install g++ or set CXX")
 
 
+def new_tokens_per_request(forward_batch: ForwardBatch) -> list[int]:
+    """How many new tokens each request of a forward brings: its prompt chunk (1 for a decode row of a mixed
+    step), its verify block, or one in a decode step."""
+    if forward_batch.forward_mode == ForwardMode.EXTEND:
+        return list(forward_batch.extend_seq_lens_cpu)
+    return [forward_batch.input_ids.shape[0] // forward_batch.batch_size] * forward_batch.batch_size
+
+
 def decode_slots(forward_batch: ForwardBatch) -> DecodeSlots:
-    """The slot table of a decode batch or verify block: each request's row of req_to_token, cut at the longest
-    sequence, and the block width (the same for every request: build_forward_batch checks it)."""
+    """The slot table of a forward: each request's row of req_to_token, cut at the longest sequence, and, past a
+    decode step, each new token's request row and key index."""
     max_len = max(forward_batch.seq_lens_cpu)
     table = forward_batch.req_to_token_pool.req_to_token
     rows = forward_batch.req_pool_indices.to(table.device).long()
-    width = forward_batch.input_ids.shape[0] // forward_batch.batch_size
     # Contiguous copies, never the batch's own tensors (see CompiledDecodeRunner.run): Dynamo guards on strides,
     # and a DFLASH draft-free step's out_cache_loc is a strided column of its block slots.
-    return DecodeSlots(
+    slots = DecodeSlots(
         kv_indices=table[rows, :max_len].long(),
         seq_lens=_contiguous_copy(forward_batch.seq_lens),
         out_cache_loc=_contiguous_copy(forward_batch.out_cache_loc),
-        query_offsets=torch.arange(width, dtype=torch.int64, device=table.device),
     )
+    if forward_batch.forward_mode != ForwardMode.DECODE:
+        new_tokens = torch.tensor(new_tokens_per_request(forward_batch), dtype=torch.int64)
+        token_rows = torch.repeat_interleave(torch.arange(len(new_tokens)), new_tokens)
+        first_token = torch.cumsum(new_tokens, 0) - new_tokens
+        # Token j of request b sits at key index seq_len - new_tokens + j: its new tokens are its last keys.
+        within = torch.arange(len(token_rows)) - first_token[token_rows]
+        key_index = slots.seq_lens.cpu()[token_rows] - new_tokens[token_rows] + within
+        slots.token_rows = token_rows.to(table.device)
+        slots.token_key_index = key_index.to(table.device)
+    return slots
 
 
 def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +131,7 @@ def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class CompiledDecodeRunner:
-    """Runs a ModelRunner's eligible decode, prefill-block and verify forwards through ``torch.compile`` of its model
+    """Runs a ModelRunner's eligible decode, prefill, mixed and verify forwards through ``torch.compile`` of its model
     body."""
 
     def __init__(self, model_runner: "ModelRunner") -> None:
@@ -124,25 +141,23 @@ class CompiledDecodeRunner:
         self.max_bs = model_runner.server_args.torch_compile_max_bs
         self.attention = CompiledDecodeAttention(model_runner.token_to_kv_pool)
         self.capture = self._decode_capture_layers()
-        # Blocks of W > 1 tokens a request run through a second graph of the same function: equal-length prefills,
-        # and a DFLASH-family target's verify blocks (its prefill, draft-free and verify forwards capture the same
-        # layers).
+        # Forwards of several new tokens a request run through a second graph of the same function, the token graph:
+        # prefills, mixed steps and a DFLASH-family target's verify blocks (its prefill, draft-free and verify
+        # forwards capture the same layers).
         self.verifies = self.capture is not None
-        # Only the batch, key-length and block-width dims are symbolic (``run`` marks them); everything else, the
+        # Only the batch, token and key-length dims are symbolic (``run`` marks them); everything else, the
         # capture list's layer ids included, is a constant of the graph (dynamic=True would trace those ints too).
         self._compiled = torch.compile(self._model_body, fullgraph=True)
 
     def _model_body(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: DecodeSlots
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        # ``[B, W]`` in, flattened here: the token count is then B * W in the graph's shapes, which the
-        # attention's per-request view needs (an unbacked token count of its own could not be split).
         batch = TracedDecodeBatch(attn_backend=self.attention, slots=slots, capture_aux_hidden_layers=self.capture)
-        return self.model.model(input_ids.reshape(-1), positions.reshape(-1), batch)
+        return self.model.model(input_ids, positions, batch)
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        """Whether this forward is one the compiled graphs serve: a decode step, an equal-length prefill, or a
-        DFLASH-family verify block."""
+        """Whether this forward is one the compiled graphs serve: a decode step, a prefill or mixed prefill +
+        decode step within the scores budget, or a DFLASH-family verify block."""
         if not (
             1 <= forward_batch.batch_size <= self.max_bs
             and forward_batch.input_embeds is None
@@ -151,18 +166,16 @@ class CompiledDecodeRunner:
         ):
             return False
         mode = forward_batch.forward_mode
-        if mode == ForwardMode.EXTEND:
-            return self._is_block_prefill(forward_batch)
-        return mode == ForwardMode.DECODE or (mode == ForwardMode.TARGET_VERIFY and self.verifies)
+        if mode == ForwardMode.DECODE:
+            return True
+        if mode == ForwardMode.EXTEND or (mode == ForwardMode.TARGET_VERIFY and self.verifies):
+            return self._scores_fit(forward_batch)
+        return False
 
-    def _is_block_prefill(self, forward_batch: ForwardBatch) -> bool:
-        """An EXTEND whose requests all bring the same W >= 2 new tokens, with scores the block graph may hold."""
-        new_tokens = forward_batch.extend_seq_lens_cpu
-        width = new_tokens[0]
-        if width < 2 or any(n != width for n in new_tokens):
-            return False
+    def _scores_fit(self, forward_batch: ForwardBatch) -> bool:
+        """Whether the token graph's fp32 scores, [new tokens, longest sequence, query heads], stay within budget."""
         heads = self.model.config.num_attention_heads
-        return forward_batch.batch_size * width * max(forward_batch.seq_lens_cpu) * heads <= MAX_BLOCK_SCORES
+        return forward_batch.input_ids.shape[0] * max(forward_batch.seq_lens_cpu) * heads <= MAX_BLOCK_SCORES
 
     @torch.inference_mode()  # as the workers run; Dynamo guards on the mode, so every call matches the graph
     def run(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
@@ -170,18 +183,17 @@ class CompiledDecodeRunner:
         # Fresh copies made here, under inference mode: Dynamo guards on whether each input is an inference
         # tensor, which depends on where the caller built its batch (a worker, a test, the warm-up).
         slots = decode_slots(forward_batch)
-        width = slots.query_offsets.shape[0]
-        input_ids = _contiguous_copy(forward_batch.input_ids).reshape(-1, width)
-        positions = _contiguous_copy(forward_batch.positions).reshape(-1, width)
-        # The batch dim is unbacked: a backed one is specialised at 1 (Dynamo's 0/1 rule, through
+        input_ids = _contiguous_copy(forward_batch.input_ids)
+        positions = _contiguous_copy(forward_batch.positions)
+        # The batch and token dims are unbacked: a backed one is specialised at 1 (Dynamo's 0/1 rule, through
         # broadcasting checks), which would cost batch 1 a second whole-model compile (~80 s on 2 cores);
         # unbacked, one graph serves batch 1 too, its GEMVs on the plain weight (cpu_gemm's row rule).
-        for t in (input_ids, positions, slots.seq_lens, slots.out_cache_loc, slots.kv_indices):
+        per_token = [input_ids, positions, slots.out_cache_loc]
+        if slots.token_rows is not None:
+            per_token += [slots.token_rows, slots.token_key_index]
+        for t in per_token + [slots.seq_lens, slots.kv_indices]:
             torch._dynamo.decorators.mark_unbacked(t, 0)
         torch._dynamo.mark_dynamic(slots.kv_indices, 1)
-        if width > 1:  # a block: its width is a symbol too (a decode step's 1 is a constant of its graph)
-            for t in (input_ids, positions, slots.query_offsets):
-                torch._dynamo.mark_dynamic(t, t.dim() - 1)
         hidden, aux = self._compiled(input_ids, positions, slots)
         return self.model.logits_processor(hidden, self.model.lm_head, forward_batch, aux)
 
@@ -195,19 +207,16 @@ class CompiledDecodeRunner:
     def warm_up(self) -> None:
         """Compile the graphs on dummy batches: req row 0 and KV slot 0, the reserved padding."""
         runner = self.model_runner
-        # One batch per graph: the block graph through a verify block where the target verifies, else a prefill.
-        block_mode = ForwardMode.TARGET_VERIFY if self.verifies else ForwardMode.EXTEND
-        modes = [(ForwardMode.DECODE, 1), (block_mode, WARM_UP_BLOCK_WIDTH)]
-        logger.info(
-            "Compile decode forward (torch.compile) begin: batch sizes 1 to %d, %s",
-            self.max_bs, " and ".join(m.name for m, _ in modes),
-        )
+        # One batch per graph: a decode step, and a prefill whose two requests bring 2 and 1 new tokens (the token
+        # graph then serves any mix of new-token counts: prefills, mixed steps, verify blocks).
+        warm_ups = [(ForwardMode.DECODE, [1, 1]), (ForwardMode.EXTEND, WARM_UP_NEW_TOKENS)]
+        logger.info("Compile decode forward (torch.compile) begin: batch sizes 1 to %d, DECODE and EXTEND", self.max_bs)
         start = time.perf_counter()
-        for mode, width in modes:
+        for mode, new_tokens in warm_ups:
             batch = runner.build_forward_batch(
                 mode,
-                [(0, WARM_UP_KEYS - width, [0] * width)] * WARM_UP_BS,
-                out_cache_loc=torch.zeros(WARM_UP_BS * width, dtype=torch.int64, device=runner.device),
+                [(0, WARM_UP_KEYS - n, [0] * n) for n in new_tokens],
+                out_cache_loc=torch.zeros(sum(new_tokens), dtype=torch.int64, device=runner.device),
                 capture_aux_hidden_layers=self.capture,
             )
             self.run(batch)

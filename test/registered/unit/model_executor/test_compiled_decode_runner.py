@@ -16,7 +16,7 @@ from sglite.srt.server_args import ServerArgs, ServerArgsError
 from sglite.testing.tiny_dflash import TinyDraftSpec, build_tiny_dflash_draft, build_tiny_target
 
 SUITE = "unit-cpu"
-EST_TIME = 90  # Inductor compiles of a 4-layer model (two graphs per runner)
+EST_TIME = 90  # Inductor compiles of a 4-layer model (two graphs per runner: decode, and the token graph)
 
 PROMPTS = [[5, 17, 300, 41, 7], [100, 200, 300], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
 LOGITS_ATOL = 1e-4  # fused fp32 arithmetic in another order: not bit-identical to eager
@@ -84,22 +84,33 @@ def test_compiled_decode_equals_eager_and_runs_only_what_it_serves(pair_dirs, ra
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the start-up graph served them all
     many = runner.build_forward_batch(ForwardMode.DECODE, [(r, 1, [3]) for r in runner.req_to_token_pool.alloc(5)])
     assert not runner.compiled_decode.can_run(many)  # above --torch-compile-max-bs 4: eager
-    ragged = runner.build_forward_batch(ForwardMode.EXTEND, [(rows[0], 21, [3, 4]), (rows[1], 0, [5, 6, 7])])
-    assert not runner.compiled_decode.can_run(ragged)  # prompts of different lengths: eager
 
 
 @needs_cxx
-def test_equal_length_prefills_run_through_the_block_graph(pair_dirs, rank0, monkeypatch):
-    """Prompts of one length (on a cached prefix or not, batch 1 too) run compiled, equal to eager, with no compile
-    on live traffic; past the scores budget they run eagerly."""
+def test_prefills_and_mixed_steps_run_through_the_token_graph(pair_dirs, rank0, monkeypatch):
+    """Prompts of one length or of several, on a cached prefix or not, batch 1 too, and mixed steps (prompt chunks
+    beside decode rows) run compiled, equal to eager, with no compile on live traffic; past the scores budget they
+    run eagerly."""
     import sglite.srt.model_executor.compiled_decode_runner as cdr
 
     runner = ModelRunner(_args(pair_dirs[0]))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    rows = runner.req_to_token_pool.alloc(3)
-    for prefix, width, reqs in ((0, 9, 3), (0, 5, 1), (9, 4, 3), (13, 2, 2)):
-        prompts = [[(7 * r + i) % 250 + 3 for i in range(prefix + width)] for r in range(reqs)]
-        fb = runner.build_forward_batch(ForwardMode.EXTEND, [(rows[r], prefix, p[prefix:]) for r, p in enumerate(prompts)])
+    rows = runner.req_to_token_pool.alloc(4)
+    cases = [  # (prefix, new tokens) per request
+        [(0, 9)] * 3,
+        [(0, 5)],
+        [(9, 4)] * 3,
+        [(13, 2)] * 2,
+        [(0, 7), (0, 3), (0, 12)],  # prompts of different lengths
+        [(0, 6), (15, 1), (22, 1), (4, 1)],  # a mixed step: a new prompt and three decode rows
+        [(30, 8), (31, 1)],  # a chunk on a cached prefix beside a decode row
+    ]
+    for case in cases:
+        reqs = []
+        for r, (prefix, width) in enumerate(case):
+            prompt = [(7 * r + i) % 250 + 3 for i in range(prefix + width)]
+            reqs.append((rows[r], prefix, prompt[prefix:]))
+        fb = runner.build_forward_batch(ForwardMode.EXTEND, reqs)
         assert fb.forward_mode == ForwardMode.EXTEND
         _compiled_equals_eager(runner, fb)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

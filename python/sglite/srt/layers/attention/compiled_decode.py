@@ -1,4 +1,5 @@
-"""Decode (and verify-block) attention in plain torch ops over the paged pool, for an Inductor-compiled step.
+"""Paged causal attention in plain torch ops (decode, prefill, mixed and verify forwards), for an Inductor-compiled
+step.
 
 Eager CPU decode attention (``torch_native_backend``) gathers each layer's K and V rows into padded
 copies and runs SDPA once per (request, KV head); at batch 32 that is ~20% of a SmolLM2 step. Traced
@@ -7,9 +8,10 @@ table inside its generated loops (no gathered copy) and fuse the scaling, mask a
 (docs/benchmarks.md, "Compiled CPU decode"). Run eagerly it is slower than SDPA, so only the compiled
 decode step (``model_executor/compiled_decode_runner.py``) uses it.
 
-Invariants: W new tokens per request, the same W for all (1 for decode, the block width for a DFLASH
-verify), causal among them; the pool stores K/V in the model's dtype (no fp8 scaling); the
-slot table row of request ``b`` holds its ``seq_lens[b]`` keys in order, its new tokens' slots last.
+Invariants: each request's new tokens (one in a decode step; a prompt chunk, a verify block or one decode
+token in a mixed step) are causal among themselves; the pool stores K/V in the model's dtype (no fp8
+scaling); the slot table row of request ``b`` holds its ``seq_lens[b]`` keys in order, its new tokens'
+slots last.
 """
 
 from __future__ import annotations
@@ -25,13 +27,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class DecodeSlots:
-    """The slot table of a decode step (W = 1) or a verify block (W new tokens per request): what the compiled
-    forward reads instead of a ForwardBatch."""
+    """The slot table of a compiled forward's new tokens: what the graph reads instead of a ForwardBatch.
+
+    A decode step leaves ``token_rows`` and ``token_key_index`` None: one new token a request, the last of its keys.
+    A forward of several new tokens a request (a prefill, a mixed prefill + decode step, a verify block) gives each
+    new token its request's row and its own key index, so requests may bring different numbers of them.
+    """
 
     kv_indices: torch.Tensor  # [B, L] int64: slot of key l of request b (entries past seq_len: any valid slot)
-    seq_lens: torch.Tensor  # [B] int64: keys per request, its W new tokens included (last)
-    out_cache_loc: torch.Tensor  # [B*W] int64: the new tokens' slots, request-major
-    query_offsets: torch.Tensor  # [W] int64: 0..W-1 (its length is the block width the graph reads)
+    seq_lens: torch.Tensor  # [B] int64: keys per request, its new tokens included (last)
+    out_cache_loc: torch.Tensor  # [T] int64: the new tokens' slots, request-major
+    token_rows: Optional[torch.Tensor] = None  # [T] int64: the request (row of kv_indices) of each new token
+    token_key_index: Optional[torch.Tensor] = None  # [T] int64: each new token's own key index in its row
 
 
 @dataclass
@@ -51,30 +58,31 @@ def paged_causal_attention(
     scaling: float,
     sliding_window: Optional[int],
 ) -> torch.Tensor:
-    """o ``[B*W, H, Dv]`` for queries ``[B*W, H, D]``: W new tokens per request, causal over its keys.
+    """o ``[T, H, Dv]`` for queries ``[T, H, D]``: each new token attends causally over its request's keys.
 
-    Request b's keys are ``k_cache[kv_indices[b, :seq_lens[b]]]``, its W new tokens last; its query w sits at
-    position ``seq_lens[b] - W + w`` and sees the keys up to it (W = 1: a decode step; W > 1: a DFLASH verify
-    block). fp32 scores and softmax (as the reference backend). Query head h reads KV head ``h // (H // Hkv)``.
-    A sliding window keeps keys at positions ``> query position - window`` (the HF rule).
+    Request b's keys are ``k_cache[kv_indices[b, :seq_lens[b]]]``, its new tokens last. New token t reads row
+    ``token_rows[t]`` and sees its keys up to index ``token_key_index[t]`` (its own); a decode step (both None)
+    reads row t up to its last key. fp32 scores and softmax (as the reference backend). Query head h reads KV
+    head ``h // (H // Hkv)``. A sliding window keeps keys at positions ``> query position - window`` (the HF
+    rule).
     """
-    width = slots.query_offsets.shape[0]
     tokens, num_heads, head_dim = q.shape
-    bs = tokens // width
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    keys = k_cache[slots.kv_indices].float()  # [B, L, Hkv, D]: Inductor fuses this gather into its loads
-    values = v_cache[slots.kv_indices].float()
-    qg = q.float().reshape(bs, width, 1, num_kv_heads, group, head_dim)
-    scores = (keys[:, None, :, :, None, :] * qg).sum(-1) * scaling  # [B, W, L, Hkv, G]
-    key_pos = torch.arange(slots.kv_indices.shape[1], device=q.device)[None, None, :]
-    query_pos = (slots.seq_lens[:, None] - width + slots.query_offsets[None, :])[:, :, None]  # [B, W, 1]
+    decode = slots.token_rows is None
+    rows = slots.kv_indices if decode else slots.kv_indices[slots.token_rows]  # [T, L]
+    query_pos = (slots.seq_lens - 1 if decode else slots.token_key_index)[:, None]  # [T, 1]
+    keys = k_cache[rows].float()  # [T, L, Hkv, D]: Inductor fuses this gather into its loads
+    values = v_cache[rows].float()
+    qg = q.float().reshape(tokens, 1, num_kv_heads, group, head_dim)
+    scores = (keys[:, :, :, None, :] * qg).sum(-1) * scaling  # [T, L, Hkv, G]
+    key_pos = torch.arange(rows.shape[1], device=q.device)[None, :]
     invalid = key_pos > query_pos
     if sliding_window is not None:
         invalid = invalid | (key_pos <= query_pos - sliding_window)
-    scores = scores.masked_fill(invalid[:, :, :, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=2)
-    out = (probs.unsqueeze(-1) * values[:, None, :, :, None, :]).sum(2)  # [B, W, Hkv, G, Dv]
+    scores = scores.masked_fill(invalid[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs.unsqueeze(-1) * values[:, :, :, None, :]).sum(1)  # [T, Hkv, G, Dv]
     return out.reshape(tokens, num_heads, values.shape[-1]).to(q.dtype)
 
 

@@ -1,4 +1,5 @@
-"""The compiled step's paged attention (decode and verify blocks), run eagerly, against plain SDPA on unpaged K/V."""
+"""The compiled step's paged attention (decode, verify blocks, prefills and mixed prefill + decode steps), run eagerly,
+against plain SDPA on unpaged K/V."""
 
 SUITE = "unit-cpu"
 EST_TIME = 5
@@ -15,10 +16,17 @@ from sglite.srt.model_executor.forward_batch_info import ForwardMode
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("sliding_window", [None, 6])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("mode,width", [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3)])
-def test_paged_causal_attention_equals_dense_sdpa(page_size, sliding_window, group, mode, width):
+@pytest.mark.parametrize(
+    "mode,new_tokens",
+    [
+        (ForwardMode.DECODE, [1, 1, 1, 1]),
+        (ForwardMode.TARGET_VERIFY, [3, 3, 3, 3]),
+        (ForwardMode.EXTEND, [5, 1, 9, 1]),  # a mixed step: two prompt chunks, two decode rows
+    ],
+)
+def test_paged_causal_attention_equals_dense_sdpa(page_size, sliding_window, group, mode, new_tokens):
     case = build_case(
-        mode, [0, 7, 33, 2], [width] * 4, page_size=page_size, num_kv_heads=2, group=group,
+        mode, [0, 7, 33, 2], new_tokens, page_size=page_size, num_kv_heads=2, group=group,
         head_dim=32, v_head_dim=16, sliding_window=sliding_window, seed=page_size + group,
     )
     fb = case.forward_batch
@@ -28,5 +36,5 @@ def test_paged_causal_attention_equals_dense_sdpa(page_size, sliding_window, gro
     torch.testing.assert_close(out, dense_reference(case, causal=True), atol=1e-5, rtol=1e-5)
     # The new tokens' K/V went to their slots.
     pool, i = fb.token_to_kv_pool, case.layer.layer_id
-    k_new = case.k.reshape(4 * width, case.layer.num_kv_heads, case.layer.head_dim)
+    k_new = case.k.reshape(sum(new_tokens), case.layer.num_kv_heads, case.layer.head_dim)
     torch.testing.assert_close(pool.get_key_buffer(i)[fb.out_cache_loc.long()], k_new)
