@@ -141,12 +141,13 @@ def _compiled_extend(runner, eager, reqs: list[tuple[int, int, list[int]]], reps
     diff = 0.0
     for i in range(reps):
         fb = runner.build_forward_batch(ForwardMode.EXTEND, reqs, out_cache_loc=loc)
-        assert runner.compiled_decode.can_run(fb)
+        served = "compiled" if runner.compiled_decode.can_run(fb) else "eager"  # what a server would run
         got = _both_ways(runner, eager, fb, i, cpu)
         diff = max(diff, (got["compiled"] - got["eager"]).abs().max().item())
     med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in cpu.items()}
     print(f"bs {len(reqs)} {label}: eager {med['eager']:.1f} ms, compiled "
-          f"{med['compiled']:.1f} ms CPU ({med['eager'] / med['compiled']:.3f}x); max |logit diff| {diff:.1e}")
+          f"{med['compiled']:.1f} ms CPU ({med['eager'] / med['compiled']:.3f}x); max |logit diff| {diff:.1e}; "
+          f"the server runs it {served}")
     runner.token_to_kv_pool_allocator.free(loc)
 
 
@@ -176,21 +177,22 @@ def compiled(args: argparse.Namespace) -> None:
     with torch.inference_mode():
         for bs in args.batch_size:
             rows = runner.req_to_token_pool.alloc(bs)
-            prompts = random_prompt_ids(bs, 32, vocab, 0)
+            prompts = random_prompt_ids(bs, args.prompt_len, vocab, 0)
             if args.prefill:
                 reqs = [(r, 0, p) for r, p in zip(rows, prompts)]
                 _compiled_extend(runner, eager, reqs, args.steps, f"prefill of {len(prompts[0])} tokens")
                 runner.req_to_token_pool.free(rows)
                 continue
             if args.mixed:
-                # A mixed step as a server runs it: one new 32-token prompt beside bs - 1 decode rows at 64 keys
+                # A mixed step as a server runs it: one new prompt beside bs - 1 decode rows at twice its keys
                 # (their K/V slots: whatever the pool holds; the timing does not depend on the values).
-                reqs = [(rows[0], 0, prompts[0])] + [(r, 63, p[:1]) for r, p in zip(rows[1:], prompts[1:])]
+                decode_keys = 2 * args.prompt_len
+                reqs = [(rows[0], 0, prompts[0])] + [(r, decode_keys - 1, p[:1]) for r, p in zip(rows[1:], prompts[1:])]
                 _compiled_extend(runner, eager, reqs, args.steps, f"mixed step, one {len(prompts[0])}-token prompt")
                 runner.req_to_token_pool.free(rows)
                 continue
             out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)]))
-            nxt, seq = torch.argmax(out.next_token_logits, -1).tolist(), 32
+            nxt, seq = torch.argmax(out.next_token_logits, -1).tolist(), args.prompt_len
             cpu = {"compiled": [], "eager": []}
             diff, flips = 0.0, 0
             for i in range(args.steps):
@@ -370,6 +372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--model-path", required=True)
     c.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])
     c.add_argument("--steps", type=int, default=12)
+    c.add_argument("--prompt-len", type=int, default=32, help="tokens a prompt (--prefill, --mixed; decode's prefix)")
     c.add_argument("--prefill", action="store_true", help="time equal-length 32-token prefills (the token graph)")
     c.add_argument("--mixed", action="store_true",
                    help="time mixed steps: one 32-token prompt beside batch - 1 decode rows (the token graph)")

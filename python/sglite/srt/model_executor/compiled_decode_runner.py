@@ -8,13 +8,13 @@ paged attention of ``layers/attention/compiled_decode.py`` reads K/V through the
 
 What runs compiled: forwards of the target (not a draft) with ``1 <= batch <= --torch-compile-max-bs`` requests,
 through two graphs of the same function. DECODE steps run through the decode graph (one graph for every batch
-size: see ``run``). Every other forward of new tokens runs through the token graph, whose attention gives each
-new token its request's slot-table row and its own key index: prefills, whatever their prompt lengths, mixed
-prefill + decode steps, and a DFLASH-family target's TARGET_VERIFY blocks, while the fp32 attention scores stay
-within ``MAX_BLOCK_SCORES``. The model body only (embedding, layers, final norm; the LM head and logits stay
-eager). Other forwards (the draft's block, longer prompts, larger batches) run eagerly, as SGLang does above its
-captured batch sizes. A 32-token prompt at batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and
-32; a mixed step (one 32-token prompt beside 7 or 31 decode rows) 1.04x / 1.07x (docs/benchmarks.md, "CPU pinning
+size: see ``run``). Other forwards of new tokens run through the token graph, whose attention gives each new token
+its request's slot-table row and its own key index: prefills and mixed prefill + decode steps where the cost model
+``compiled_extend_pays`` says the graph is faster (short prompts; decode rows outweighing long ones), and a
+DFLASH-family target's TARGET_VERIFY blocks, while the fp32 attention scores stay within ``MAX_BLOCK_SCORES``.
+The model body only (embedding, layers, final norm; the LM head and logits stay eager). Other forwards (the
+draft's block, longer prompts, larger batches) run eagerly, as SGLang does above its captured batch sizes. A 32-token prompt at batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and
+32; a mixed step (one 32-token prompt beside 7 or 31 decode rows) 1.04x-1.09x (docs/benchmarks.md, "CPU pinning
 and compiled prefill blocks, session 18" and "Mixed steps compiled, session 19"): the norms, rotary and SiLU*mul
 fuse as in decode; the GEMMs, which dominate these forwards, are the same. The graphs are compiled at start-up
 (``warm_up``), so no request waits on a compile. Inductor caches its code on disk, so a later start with the same
@@ -53,6 +53,14 @@ WARM_UP_NEW_TOKENS = [2, 1]
 # The token graph's attention materialises its fp32 scores, [new tokens, keys, query heads]: a prefill batch past
 # this many (64 MB; SmolLM2's 9 heads reach it at one 1365-token prompt) runs eagerly, where SDPA tiles them.
 MAX_BLOCK_SCORES = 1 << 24
+# The token graph's attention reads every key of the longest sequence for each new token, with none of eager SDPA's
+# reuse across one prompt's queries; it pays where the graph's fused element-wise ops save more. Measured on SmolLM2
+# (docs/benchmarks.md, "Mixed steps compiled, session 19"): a prompt token breaks even at ~48 keys (a 1,024-token
+# prompt ran 1.9x slower compiled), while each decode row of a mixed step saves what ~448 prompt-token key reads
+# cost (eager, a mixed step's decode rows go through the prefill attention one request at a time). A model with a
+# wider hidden size has relatively cheaper attention, so these are on the safe side for it.
+PROMPT_TOKEN_BREAK_EVEN_KEYS = 48
+DECODE_ROW_KEY_CREDIT = 448
 
 
 class CompiledDecodeError(ValueError):
@@ -90,6 +98,14 @@ def check_compiled_decode_supported(model_runner: "ModelRunner") -> None:
         raise CompiledDecodeError(f"{FLAG} does not support " + "; ".join(problems))
     if cpp_compiler() is None:
         raise CompiledDecodeError(f"{FLAG} needs a C++ compiler for Inductor's CPU code: install g++ or set CXX")
+
+
+def compiled_extend_pays(new_tokens: list[int], max_keys: int) -> bool:
+    """Whether a prefill or mixed step runs faster through the token graph than eagerly, by the measured cost model:
+    prompt tokens (of requests bringing more than one) past the break-even key count, against its decode rows."""
+    prompt_tokens = sum(n for n in new_tokens if n > 1)
+    decode_rows = sum(1 for n in new_tokens if n == 1)
+    return prompt_tokens * (max_keys - PROMPT_TOKEN_BREAK_EVEN_KEYS) <= DECODE_ROW_KEY_CREDIT * decode_rows
 
 
 def new_tokens_per_request(forward_batch: ForwardBatch) -> list[int]:
@@ -157,7 +173,7 @@ class CompiledDecodeRunner:
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """Whether this forward is one the compiled graphs serve: a decode step, a prefill or mixed prefill +
-        decode step within the scores budget, or a DFLASH-family verify block."""
+        decode step that the cost model says pays, or a DFLASH-family verify block, within the scores budget."""
         if not (
             1 <= forward_batch.batch_size <= self.max_bs
             and forward_batch.input_embeds is None
@@ -168,9 +184,10 @@ class CompiledDecodeRunner:
         mode = forward_batch.forward_mode
         if mode == ForwardMode.DECODE:
             return True
-        if mode == ForwardMode.EXTEND or (mode == ForwardMode.TARGET_VERIFY and self.verifies):
-            return self._scores_fit(forward_batch)
-        return False
+        if mode == ForwardMode.EXTEND:
+            pays = compiled_extend_pays(forward_batch.extend_seq_lens_cpu, max(forward_batch.seq_lens_cpu))
+            return pays and self._scores_fit(forward_batch)
+        return mode == ForwardMode.TARGET_VERIFY and self.verifies and self._scores_fit(forward_batch)
 
     def _scores_fit(self, forward_batch: ForwardBatch) -> bool:
         """Whether the token graph's fp32 scores, [new tokens, longest sequence, query heads], stay within budget."""

@@ -9,13 +9,15 @@ import torch
 from sglite.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sglite.srt.managers.scheduler import Scheduler, SchedulerConfig
 from sglite.srt.managers.tp_worker import TpModelWorker
+from sglite.srt.model_executor.compiled_decode_runner import cpp_compiler
+from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.sampling.sampling_params import SamplingParams
 from sglite.srt.server_args import ServerArgs
 from sglite.testing.greedy_margin import assert_clear_greedy_margins
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
-EST_TIME = 105
+EST_TIME = 150  # 105, plus one Inductor compile of the tiny model (two graphs)
 
 rng = random.Random(0)
 SYSTEM = [rng.randrange(3, 500) for _ in range(19)]
@@ -104,6 +106,33 @@ def test_chunked_prefill_same_tokens(tiny, rank0, mixed):
         outs += s.step()  # staggered arrivals: later prompts prefill while earlier ones decode
     res = _collect(outs + s.run_until_idle())
     assert s.num_prefill_forwards > len(PROMPTS)
+    for i in range(len(PROMPTS)):
+        assert res[f"r{i}"]["ids"] == expected[i]
+    _assert_clean(s)
+
+
+@pytest.mark.skipif(cpp_compiler() is None, reason="Inductor's CPU backend needs g++ (or $CXX)")
+def test_mixed_steps_through_the_compiled_graphs_same_tokens(tiny, rank0):
+    """Under --enable-torch-compile, chunked prompts arriving while others decode run as mixed steps through the
+    token graph, and every request still gets transformers' tokens."""
+    d, expected = tiny
+    s = _scheduler(d, chunked_prefill_size=4, enable_mixed_chunk=True, enable_torch_compile=True,
+                   torch_compile_max_bs=8)
+    compiled = s.worker.target_runner.compiled_decode
+    new_tokens_seen, run = [], compiled.run
+
+    def spy(fb):
+        new_tokens_seen.append(list(fb.extend_seq_lens_cpu) if fb.forward_mode == ForwardMode.EXTEND else [])
+        return run(fb)
+
+    compiled.run = spy
+    outs = []
+    for i, p in enumerate(PROMPTS):
+        s.add_request(_req(f"r{i}", p))
+        outs += s.step()
+    res = _collect(outs + s.run_until_idle())
+    # A prompt chunk beside decode rows (one token each) went through the compiled token graph.
+    assert any(len(n) > 1 and max(n) > 1 and n.count(1) >= 1 for n in new_tokens_seen), new_tokens_seen
     for i in range(len(PROMPTS)):
         assert res[f"r{i}"]["ids"] == expected[i]
     _assert_clean(s)

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from sglite.srt.model_executor.compiled_decode_runner import (
+    PROMPT_TOKEN_BREAK_EVEN_KEYS,
     CompiledDecodeError,
     check_compiled_decode_supported,
+    compiled_extend_pays,
     cpp_compiler,
 )
 from sglite.srt.model_executor.forward_batch_info import ForwardMode
@@ -104,6 +106,7 @@ def test_prefills_and_mixed_steps_run_through_the_token_graph(pair_dirs, rank0, 
         [(0, 7), (0, 3), (0, 12)],  # prompts of different lengths
         [(0, 6), (15, 1), (22, 1), (4, 1)],  # a mixed step: a new prompt and three decode rows
         [(30, 8), (31, 1)],  # a chunk on a cached prefix beside a decode row
+        [(0, 60), (40, 1), (41, 1), (42, 1)],  # a prompt past the break-even keys, paid for by three decode rows
     ]
     for case in cases:
         reqs = []
@@ -114,12 +117,26 @@ def test_prefills_and_mixed_steps_run_through_the_token_graph(pair_dirs, rank0, 
         assert fb.forward_mode == ForwardMode.EXTEND
         _compiled_equals_eager(runner, fb)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    long_prompt = runner.build_forward_batch(ForwardMode.EXTEND, [(rows[0], 0, list(range(3, 63)))])
+    assert not runner.compiled_decode.can_run(long_prompt)  # 60 keys a prompt token, no decode rows: eager
     fb = runner.build_forward_batch(ForwardMode.EXTEND, [(rows[0], 0, [3, 4, 5, 6])])
     heads = runner.model.config.num_attention_heads
     monkeypatch.setattr(cdr, "MAX_BLOCK_SCORES", 4 * 4 * heads - 1)
     assert not runner.compiled_decode.can_run(fb)
     monkeypatch.setattr(cdr, "MAX_BLOCK_SCORES", 4 * 4 * heads)
     assert runner.compiled_decode.can_run(fb)
+
+
+def test_compiled_extend_pays_by_the_measured_cost_model():
+    # Prompts alone: up to the break-even key count.
+    assert compiled_extend_pays([32] * 8, 32) and compiled_extend_pays([PROMPT_TOKEN_BREAK_EVEN_KEYS], 48)
+    assert not compiled_extend_pays([64], 64) and not compiled_extend_pays([1024], 1024)
+    # Mixed steps: decode rows pay for the prompt tokens' extra keys (the measured SmolLM2 cells).
+    assert compiled_extend_pays([32] + [1] * 7, 64)  # 1.04x compiled
+    assert compiled_extend_pays([96] + [1] * 31, 192)  # 1.09x
+    assert not compiled_extend_pays([64] + [1] * 7, 128)  # 0.98x
+    assert not compiled_extend_pays([96] + [1] * 7, 192)  # 0.89x
+    assert compiled_extend_pays([1] * 5, 4000)  # one new token a request: decode rows only
 
 
 @needs_cxx
