@@ -11,12 +11,13 @@ through two graphs of the same function. DECODE steps run through the decode gra
 size: see ``run``). Other forwards of new tokens run through the token graph, whose attention gives each new token
 its request's slot-table row and its own key index: prefills and mixed prefill + decode steps where the cost model
 ``compiled_extend_pays`` says the graph is faster (short prompts; decode rows outweighing long ones), and a
-DFLASH-family target's TARGET_VERIFY blocks, while the fp32 attention scores stay within ``MAX_BLOCK_SCORES``.
+DFLASH-family target's TARGET_VERIFY blocks, while the fp32 attention scores stay within ``MAX_ATTENTION_SCORES``.
 The model body only (embedding, layers, final norm; the LM head and logits stay eager). Other forwards (the
-draft's block, longer prompts, larger batches) run eagerly, as SGLang does above its captured batch sizes. A 32-token prompt at batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and
-32; a mixed step (one 32-token prompt beside 7 or 31 decode rows) 1.04x-1.09x (docs/benchmarks.md, "CPU pinning
-and compiled prefill blocks, session 18" and "Mixed steps compiled, session 19"): the norms, rotary and SiLU*mul
-fuse as in decode; the GEMMs, which dominate these forwards, are the same. The graphs are compiled at start-up
+draft's block, longer prompts, larger batches) run eagerly, as SGLang does above its captured batch sizes. A
+32-token prompt at batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and 32; a mixed step (one
+32-token prompt beside 7 or 31 decode rows) 1.04x-1.09x (docs/benchmarks.md, "CPU pinning and compiled prefill
+blocks, session 18" and "Mixed steps compiled, session 19"): the norms, rotary and SiLU*mul fuse as in decode; the
+GEMMs, which dominate these forwards, are the same. The graphs are compiled at start-up
 (``warm_up``), so no request waits on a compile. Inductor caches its code on disk, so a later start with the same
 model recompiles faster. The numbers are not bit-identical to eager (fused fp32 arithmetic in another order):
 tests bound the logits difference and check greedy output on models with clear margins.
@@ -52,11 +53,11 @@ WARM_UP_KEYS = 3
 WARM_UP_NEW_TOKENS = [2, 1]
 # The token graph's attention materialises its fp32 scores, [new tokens, keys, query heads]: a prefill batch past
 # this many (64 MB; SmolLM2's 9 heads reach it at one 1365-token prompt) runs eagerly, where SDPA tiles them.
-MAX_BLOCK_SCORES = 1 << 24
+MAX_ATTENTION_SCORES = 1 << 24
 # The token graph's attention reads every key of the longest sequence for each new token, with none of eager SDPA's
 # reuse across one prompt's queries; it pays where the graph's fused element-wise ops save more. Measured on SmolLM2
 # (docs/benchmarks.md, "Mixed steps compiled, session 19"): a prompt token breaks even at ~48 keys (a 1,024-token
-# prompt ran 1.9x slower compiled), while each decode row of a mixed step saves what ~448 prompt-token key reads
+# prompt took twice as long compiled), while each decode row of a mixed step saves what ~448 prompt-token key reads
 # cost (eager, a mixed step's decode rows go through the prefill attention one request at a time). A model with a
 # wider hidden size has relatively cheaper attention, so these are on the safe side for it.
 PROMPT_TOKEN_BREAK_EVEN_KEYS = 48
@@ -192,7 +193,7 @@ class CompiledDecodeRunner:
     def _scores_fit(self, forward_batch: ForwardBatch) -> bool:
         """Whether the token graph's fp32 scores, [new tokens, longest sequence, query heads], stay within budget."""
         heads = self.model.config.num_attention_heads
-        return forward_batch.input_ids.shape[0] * max(forward_batch.seq_lens_cpu) * heads <= MAX_BLOCK_SCORES
+        return forward_batch.input_ids.shape[0] * max(forward_batch.seq_lens_cpu) * heads <= MAX_ATTENTION_SCORES
 
     @torch.inference_mode()  # as the workers run; Dynamo guards on the mode, so every call matches the graph
     def run(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:

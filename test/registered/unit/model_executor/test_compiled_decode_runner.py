@@ -121,9 +121,9 @@ def test_prefills_and_mixed_steps_run_through_the_token_graph(pair_dirs, rank0, 
     assert not runner.compiled_decode.can_run(long_prompt)  # 60 keys a prompt token, no decode rows: eager
     fb = runner.build_forward_batch(ForwardMode.EXTEND, [(rows[0], 0, [3, 4, 5, 6])])
     heads = runner.model.config.num_attention_heads
-    monkeypatch.setattr(cdr, "MAX_BLOCK_SCORES", 4 * 4 * heads - 1)
+    monkeypatch.setattr(cdr, "MAX_ATTENTION_SCORES", 4 * 4 * heads - 1)
     assert not runner.compiled_decode.can_run(fb)
-    monkeypatch.setattr(cdr, "MAX_BLOCK_SCORES", 4 * 4 * heads)
+    monkeypatch.setattr(cdr, "MAX_ATTENTION_SCORES", 4 * 4 * heads)
     assert runner.compiled_decode.can_run(fb)
 
 
