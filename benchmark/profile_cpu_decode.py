@@ -2,7 +2,7 @@
 
     python benchmark/profile_cpu_decode.py step --model-path DIR --batch-size 1 8 32 [--profile] [--no-pack | --pack-layout L]
         [--enable-torch-compile]
-    python benchmark/profile_cpu_decode.py compiled --model-path DIR --batch-size 8 32 [--prefill]
+    python benchmark/profile_cpu_decode.py compiled --model-path DIR --batch-size 8 32 [--prefill | --mixed] [--prompt-len L]
     python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024 [--copies 12]
     python benchmark/profile_cpu_decode.py spec-disable --num-prompts 32 --output-len 48
     python benchmark/profile_cpu_decode.py spec-step [--enable-torch-compile]
@@ -152,8 +152,8 @@ def _compiled_extend(runner, eager, reqs: list[tuple[int, int, list[int]]], reps
 
 
 def compiled(args: argparse.Namespace) -> None:
-    """CPU ms per decode step (``--prefill``: per 32-token prefill; ``--mixed``: per mixed step), the compiled graph (--enable-torch-compile) vs
-    the eager forward, same batches.
+    """CPU ms per decode step (``--prefill``: per prefill; ``--mixed``: per mixed step), the compiled graph
+    (--enable-torch-compile) vs the eager forward, same batches.
 
     One runner; each step runs both ways on the same slots (the eager forward rewrites the same K/V), in
     alternating order, and the logits are compared. Greedy continues from the eager logits.
@@ -178,17 +178,16 @@ def compiled(args: argparse.Namespace) -> None:
         for bs in args.batch_size:
             rows = runner.req_to_token_pool.alloc(bs)
             prompts = random_prompt_ids(bs, args.prompt_len, vocab, 0)
-            if args.prefill:
-                reqs = [(r, 0, p) for r, p in zip(rows, prompts)]
-                _compiled_extend(runner, eager, reqs, args.steps, f"prefill of {len(prompts[0])} tokens")
-                runner.req_to_token_pool.free(rows)
-                continue
-            if args.mixed:
-                # A mixed step as a server runs it: one new prompt beside bs - 1 decode rows at twice its keys
-                # (their K/V slots: whatever the pool holds; the timing does not depend on the values).
-                decode_keys = 2 * args.prompt_len
-                reqs = [(rows[0], 0, prompts[0])] + [(r, decode_keys - 1, p[:1]) for r, p in zip(rows[1:], prompts[1:])]
-                _compiled_extend(runner, eager, reqs, args.steps, f"mixed step, one {len(prompts[0])}-token prompt")
+            if args.prefill or args.mixed:
+                if args.prefill:
+                    reqs, label = [(r, 0, p) for r, p in zip(rows, prompts)], f"prefill of {args.prompt_len} tokens"
+                else:
+                    # A mixed step as a server runs it: one new prompt beside bs - 1 decode rows at twice its keys
+                    # (their K/V slots: whatever the pool holds; the timing does not depend on the values).
+                    decode_keys = 2 * args.prompt_len
+                    reqs = [(rows[0], 0, prompts[0])] + [(r, decode_keys - 1, p[:1]) for r, p in zip(rows[1:], prompts[1:])]
+                    label = f"mixed step, one {args.prompt_len}-token prompt"
+                _compiled_extend(runner, eager, reqs, args.steps, label)
                 runner.req_to_token_pool.free(rows)
                 continue
             out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, prompts)]))
@@ -373,9 +372,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])
     c.add_argument("--steps", type=int, default=12)
     c.add_argument("--prompt-len", type=int, default=32, help="tokens a prompt (--prefill, --mixed; decode's prefix)")
-    c.add_argument("--prefill", action="store_true", help="time equal-length 32-token prefills (the token graph)")
+    c.add_argument("--prefill", action="store_true", help="time equal-length prefills of --prompt-len tokens (the token graph)")
     c.add_argument("--mixed", action="store_true",
-                   help="time mixed steps: one 32-token prompt beside batch - 1 decode rows (the token graph)")
+                   help="time mixed steps: one --prompt-len prompt beside batch - 1 decode rows (the token graph)")
     g = sub.add_parser("gemm")
     g.add_argument("--shapes", choices=sorted(SHAPES), default="200m")
     g.add_argument("--gguf", nargs=2, metavar=("LAYERS_TYPE", "HEAD_TYPE"),

@@ -17,10 +17,10 @@ draft's block, longer prompts, larger batches) run eagerly, as SGLang does above
 32-token prompt at batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and 32; a mixed step (one
 32-token prompt beside 7 or 31 decode rows) 1.04x-1.09x (docs/benchmarks.md, "CPU pinning and compiled prefill
 blocks, session 18" and "Mixed steps compiled, session 19"): the norms, rotary and SiLU*mul fuse as in decode; the
-GEMMs, which dominate these forwards, are the same. The graphs are compiled at start-up
-(``warm_up``), so no request waits on a compile. Inductor caches its code on disk, so a later start with the same
-model recompiles faster. The numbers are not bit-identical to eager (fused fp32 arithmetic in another order):
-tests bound the logits difference and check greedy output on models with clear margins.
+GEMMs, which dominate these forwards, are the same. The graphs are compiled at start-up (``warm_up``), so no
+request waits on a compile. Inductor caches its code on disk, so a later start with the same model recompiles
+faster. The numbers are not bit-identical to eager (fused fp32 arithmetic in another order): tests bound the
+logits difference and check greedy output on models with clear margins.
 
 Supported: CPU, TP 1 without DP attention, Llama-family models (Llama, Qwen2, Qwen3), a KV pool stored
 in the model dtype. Anything else is a start-up error naming the flag.
@@ -51,8 +51,8 @@ FLAG = "--enable-torch-compile"
 WARM_UP_KEYS = 3
 # The token graph's warm-up: new tokens per request, unequal so that nothing in the graph assumes equal counts.
 WARM_UP_NEW_TOKENS = [2, 1]
-# The token graph's attention materialises its fp32 scores, [new tokens, keys, query heads]: a prefill batch past
-# this many (64 MB; SmolLM2's 9 heads reach it at one 1365-token prompt) runs eagerly, where SDPA tiles them.
+# The token graph's attention materialises its fp32 scores, [new tokens, keys, query heads]: a forward past this
+# many (64 MB; e.g. a verify block on a long context) runs eagerly, where SDPA tiles them.
 MAX_ATTENTION_SCORES = 1 << 24
 # The token graph's attention reads every key of the longest sequence for each new token, with none of eager SDPA's
 # reuse across one prompt's queries; it pays where the graph's fused element-wise ops save more. Measured on SmolLM2
