@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sglite.srt.layers.attention.compiled_decode import CompiledDecodeAttention, DecodeSlots, TracedDecodeBatch
+from sglite.srt.layers.attention.cpu_paged_attention import kernel_serves
+from sglite.srt.layers.attention.radix_attention import RadixAttention
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglite.srt.models.llama import LlamaForCausalLM
@@ -109,6 +111,12 @@ def compiled_extend_pays(new_tokens: list[int], max_keys: int) -> bool:
     return prompt_tokens * (max_keys - PROMPT_TOKEN_BREAK_EVEN_KEYS) <= DECODE_ROW_KEY_CREDIT * decode_rows
 
 
+def attention_kernel_serves(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the C++ paged attention kernel serves every attention layer of ``model`` (its dtype, head geometry)."""
+    layers = [m for m in model.modules() if isinstance(m, RadixAttention)]
+    return bool(layers) and all(kernel_serves(dtype, a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim) for a in layers)
+
+
 def new_tokens_per_request(forward_batch: ForwardBatch) -> list[int]:
     """How many new tokens each request of a forward brings: its prompt chunk (1 for a decode row of a mixed
     step), its verify block, or one in a decode step."""
@@ -156,7 +164,14 @@ class CompiledDecodeRunner:
         self.model_runner = model_runner
         self.model: LlamaForCausalLM = model_runner.model
         self.max_bs = model_runner.server_args.torch_compile_max_bs
-        self.attention = CompiledDecodeAttention(model_runner.token_to_kv_pool)
+        self.attention = CompiledDecodeAttention(
+            model_runner.token_to_kv_pool, attention_kernel_serves(self.model, model_runner.dtype)
+        )
+        logger.info(
+            "Compiled forwards of several new tokens a request attend through %s",
+            "the C++ paged attention kernel" if self.attention.use_kernel else "the torch formulation (no C++ kernel "
+            "for this dtype or head size, or SGLITE_CPU_PAGED_ATTENTION_KERNEL=0): long prompts run eagerly",
+        )
         self.capture = self._decode_capture_layers()
         # Forwards of several new tokens a request run through a second graph of the same function, the token graph:
         # prefills, mixed steps and a DFLASH-family target's verify blocks (its prefill, draft-free and verify
@@ -186,12 +201,17 @@ class CompiledDecodeRunner:
         if mode == ForwardMode.DECODE:
             return True
         if mode == ForwardMode.EXTEND:
+            if self.attention.use_kernel:
+                return True  # compiled is at least level with eager at every prompt length measured (1-1,024 tokens)
             pays = compiled_extend_pays(forward_batch.extend_seq_lens_cpu, max(forward_batch.seq_lens_cpu))
             return pays and self._scores_fit(forward_batch)
         return mode == ForwardMode.TARGET_VERIFY and self.verifies and self._scores_fit(forward_batch)
 
     def _scores_fit(self, forward_batch: ForwardBatch) -> bool:
-        """Whether the token graph's fp32 scores, [new tokens, longest sequence, query heads], stay within budget."""
+        """Whether the token graph's fp32 scores, [new tokens, longest sequence, query heads], stay within budget (the
+        C++ kernel materialises none)."""
+        if self.attention.use_kernel:
+            return True
         heads = self.model.config.num_attention_heads
         return forward_batch.input_ids.shape[0] * max(forward_batch.seq_lens_cpu) * heads <= MAX_ATTENTION_SCORES
 

@@ -19,6 +19,7 @@ from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.distributed.bootstrap import init_parallel_runtime
 from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_dp_peer_group, get_tp_group
 from sglite.srt.layers.attention.registry import create_attention_backend
+from sglite.srt.layers.attention.cpu_paged_attention import start_building_paged_attention_kernel
 from sglite.srt.layers.cpu_gemm import PackChoice, pack_weights_for_cpu, prepare_cpu_gemm
 from sglite.srt.layers.hot_vocab_head import load_token_map
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
@@ -99,9 +100,12 @@ class ModelRunner:
         # 2. Memory before weights.
         self._free_bytes_before_load = None if is_draft else self._measure_free_memory()
 
-        # 3. Weights (a first start on a CPU host compiles the small-M GEMM kernel meanwhile; the target's suffices).
+        # 3. Weights (a first start on a CPU host compiles the small-M GEMM kernel meanwhile, and the compiled forwards'
+        # attention kernel under --enable-torch-compile; the target's suffice).
         if not is_draft:
             prepare_cpu_gemm(self.device, self.dtype, reads_gguf=find_gguf_file(path) is not None)
+            if self.device.type == "cpu" and server_args.enable_torch_compile:
+                start_building_paged_attention_kernel()
         self.model = load_model(
             self.model_config, path, self.device, self.dtype, show_progress=self.tp_rank == 0 and not is_draft
         )

@@ -89,13 +89,18 @@ def test_compiled_decode_equals_eager_and_runs_only_what_it_serves(pair_dirs, ra
 
 
 @needs_cxx
-def test_prefills_and_mixed_steps_run_through_the_token_graph(pair_dirs, rank0, monkeypatch):
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-kernel", "torch-attention"])
+def test_prefills_and_mixed_steps_run_through_the_token_graph(pair_dirs, rank0, monkeypatch, use_kernel):
     """Prompts of one length or of several, on a cached prefix or not, batch 1 too, and mixed steps (prompt chunks
-    beside decode rows) run compiled, equal to eager, with no compile on live traffic; past the scores budget they
-    run eagerly."""
+    beside decode rows) run compiled, equal to eager, with no compile on live traffic. With the C++ attention kernel
+    every prefill does; with the torch formulation (no kernel for the dtype or heads) the cost model keeps long
+    prompts eager, and so does the scores budget."""
     import sglite.srt.model_executor.compiled_decode_runner as cdr
 
+    if not use_kernel:
+        monkeypatch.setattr(cdr, "attention_kernel_serves", lambda model, dtype: False)
     runner = ModelRunner(_args(pair_dirs[0]))
+    assert runner.compiled_decode.attention.use_kernel == use_kernel
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     rows = runner.req_to_token_pool.alloc(4)
     cases = [  # (prefix, new tokens) per request
@@ -118,6 +123,12 @@ def test_prefills_and_mixed_steps_run_through_the_token_graph(pair_dirs, rank0, 
         _compiled_equals_eager(runner, fb)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     long_prompt = runner.build_forward_batch(ForwardMode.EXTEND, [(rows[0], 0, list(range(3, 63)))])
+    if use_kernel:
+        _compiled_equals_eager(runner, long_prompt)  # no cost model, no scores budget: the kernel tiles nothing
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        monkeypatch.setattr(cdr, "MAX_ATTENTION_SCORES", 0)
+        assert runner.compiled_decode.can_run(long_prompt)
+        return
     assert not runner.compiled_decode.can_run(long_prompt)  # 60 keys a prompt token, no decode rows: eager
     fb = runner.build_forward_batch(ForwardMode.EXTEND, [(rows[0], 0, [3, 4, 5, 6])])
     heads = runner.model.config.num_attention_heads

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from sglite.srt.layers.attention import cpu_paged_attention  # noqa: F401 - registers sglite::paged_attention
+
 if TYPE_CHECKING:
     from sglite.srt.layers.attention.radix_attention import RadixAttention
 
@@ -51,6 +53,32 @@ class TracedDecodeBatch:
 
 
 def paged_causal_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: DecodeSlots,
+    scaling: float,
+    sliding_window: Optional[int],
+    use_kernel: bool,
+) -> torch.Tensor:
+    """o ``[T, H, Dv]`` for queries ``[T, H, D]``: each new token attends causally over its request's keys.
+
+    Forwards of several new tokens a request go through the C++ kernel ``sglite::paged_attention`` when
+    ``use_kernel`` (decided before tracing, by ``cpu_paged_attention.kernel_serves``): the torch formulation reads
+    every key of the longest sequence for each new token, and a prompt's tokens each re-read their request's keys. A
+    decode step reads each request's keys once either way, and there Inductor's fused loop over the torch formulation
+    matched or beat the kernel (docs/benchmarks.md, "A paged attention kernel for prefills, session 20"). The
+    contract is stated on ``paged_causal_attention_torch``.
+    """
+    if use_kernel and slots.token_rows is not None:
+        return torch.ops.sglite.paged_attention(
+            q, k_cache, v_cache, slots.kv_indices, slots.seq_lens, slots.token_rows, slots.token_key_index, scaling,
+            sliding_window or 0,
+        )
+    return paged_causal_attention_torch(q, k_cache, v_cache, slots, scaling, sliding_window)
+
+
+def paged_causal_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -89,8 +117,9 @@ def paged_causal_attention(
 class CompiledDecodeAttention:
     """The attention backend a compiled decode step's model forward calls: K/V write, then paged attention."""
 
-    def __init__(self, token_to_kv_pool: Any) -> None:
+    def __init__(self, token_to_kv_pool: Any, use_kernel: bool) -> None:
         self.token_to_kv_pool = token_to_kv_pool
+        self.use_kernel = use_kernel  # the C++ kernel serves every layer's attention (cpu_paged_attention.kernel_serves)
 
     def forward(
         self,
@@ -111,6 +140,7 @@ class CompiledDecodeAttention:
             k_cache.index_put_((slots.out_cache_loc,), k.reshape(tokens, layer.num_kv_heads, layer.head_dim))
             v_cache.index_put_((slots.out_cache_loc,), v.reshape(tokens, layer.num_kv_heads, layer.v_head_dim))
         o = paged_causal_attention(
-            q.reshape(tokens, layer.num_heads, layer.head_dim), k_cache, v_cache, slots, layer.scaling, layer.sliding_window
+            q.reshape(tokens, layer.num_heads, layer.head_dim), k_cache, v_cache, slots, layer.scaling, layer.sliding_window,
+            self.use_kernel,
         )
         return o.reshape(tokens, layer.num_heads * layer.v_head_dim)

@@ -30,7 +30,7 @@ def test_paged_causal_attention_equals_dense_sdpa(page_size, sliding_window, gro
         head_dim=32, v_head_dim=16, sliding_window=sliding_window, seed=page_size + group,
     )
     fb = case.forward_batch
-    backend = CompiledDecodeAttention(fb.token_to_kv_pool)
+    backend = CompiledDecodeAttention(fb.token_to_kv_pool, use_kernel=False)  # the kernel: test_cpu_paged_attention
     batch = TracedDecodeBatch(attn_backend=backend, slots=decode_slots(fb))
     out = backend.forward(case.q, case.k, case.v, case.layer, batch)
     torch.testing.assert_close(out, dense_reference(case, causal=True), atol=1e-5, rtol=1e-5)
