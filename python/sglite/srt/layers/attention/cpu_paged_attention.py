@@ -2,7 +2,7 @@
 
 Traced by Inductor, the torch formulation of ``compiled_decode.paged_causal_attention`` takes ~10% of a SmolLM2 decode
 step at batch 32 and ~5% of a batch of 32-token prefills, and reads every key once per prompt token (docs/benchmarks.md,
-"A paged attention kernel for the compiled forwards, session 20"). The kernel reads each key row once per new token for
+"A paged attention kernel for prefills, session 20"). The kernel reads each key row once per new token for
 all query heads that share it and scores only the causal range. It is plain C++ built on first use into sglite's kernel
 cache and called through ctypes (layers/cpu_kernel_build.py), inside the compiled graph as one opaque op. It serves fp32
 with head sizes that are multiples of 16 (at most 256) and up to 16 query heads per KV head; otherwise, without a

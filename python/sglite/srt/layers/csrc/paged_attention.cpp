@@ -3,7 +3,7 @@
 // Traced by Inductor, the torch formulation (layers/attention/compiled_decode.py) computes every score as its own
 // 64-wide dot product with a horizontal sum, for every key of the longest sequence (masked ones included), and a
 // prompt token re-gathers its request's keys: ~10% of a SmolLM2 decode step at batch 32 and ~5% of a 32 x 32-token
-// prefill (docs/benchmarks.md, "A paged attention kernel for the compiled forwards, session 20"). Here one task is a
+// prefill (docs/benchmarks.md, "A paged attention kernel for prefills, session 20"). Here one task is a
 // (request, KV head) pair: each key row is read from the pool once per new token and multiplied into all of the
 // query heads that share it, only the causal (and sliding-window) range is scored, and the softmax's exp is a
 // vectorised polynomial.
