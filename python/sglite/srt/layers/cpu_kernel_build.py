@@ -2,9 +2,9 @@
 
 Each kernel is plain C++ with a C entry point (no torch headers: ~3 s to compile instead of ~25), built on first
 use with the host's compiler (``$CXX``, else ``c++`` or ``g++``) into sglite's cache (``$SGLITE_CACHE_DIR``, else
-``~/.cache/sglite``, under ``kernels/``). A library's name is its source's stem and a hash of source, flags,
-compiler and CPU (``-march=native`` builds for the CPU), so later processes on the same host load it as built.
-OpenMP comes from torch's own ``libgomp.so.1`` (same soname, already loaded), so the kernels share torch's thread
+``~/.cache/sglite``, under ``kernels/``). A library's name is its source's stem and a hash of source (with the
+shared headers beside it), flags, compiler and CPU (``-march=native`` builds for the CPU), so later processes on the
+same host load it as built. OpenMP comes from torch's own ``libgomp.so.1`` (same soname, already loaded), so the kernels share torch's thread
 pool and its ``set_num_threads``.
 """
 
@@ -52,7 +52,8 @@ def build_cpu_library(source: Path, flags: tuple[str, ...]) -> Path:
     cxx, text = cxx_compiler(), source.read_bytes()
     if not cxx:
         raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
-    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), cxx.encode(), _cpu_identity()]))
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # the kernels' shared headers (vec16.h)
+    key = hashlib.sha256(b"\0".join([text, *headers, " ".join(flags).encode(), cxx.encode(), _cpu_identity()]))
     lib = Path(sglite_cache_dir("kernels")) / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib  # loading does not touch its mtime: pruning ranks libraries by when they were built

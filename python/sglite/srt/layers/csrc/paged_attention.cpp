@@ -21,36 +21,16 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vec16.h"
 
 namespace {
 
-constexpr int kLanes = 16;
 constexpr int kMaxDim = 256;  // head sizes served: 16, 32, 64, 96, 128, 256
 constexpr int kMaxGroup = 16;
-typedef float vec16 __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vec16 load(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 inline void store(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline vec16 splat(float x) { return vec16{} + x; }
-
-inline float lane_sum(vec16 v) {
-#ifdef __AVX512F__
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-#endif
-}
 
 typedef int32_t vec16i __attribute__((vector_size(kLanes * sizeof(int32_t))));
 

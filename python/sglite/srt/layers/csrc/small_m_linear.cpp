@@ -19,32 +19,12 @@
 inline int omp_get_num_threads() { return 1; }
 inline int omp_get_thread_num() { return 0; }
 #endif
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vec16.h"
 
 namespace {
 
-constexpr int kLanes = 16;
 constexpr int kRowsPerBlock = 4;
 constexpr int kMaxRowsPerCall = 8;
-typedef float vec16 __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vec16 load(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));  // unaligned
-  return v;
-}
-
-inline float lane_sum(vec16 v) {
-#ifdef __AVX512F__
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-#endif
-}
 
 // Row-major weight (a tied LM head's embedding): rows [n0, n0 + R) of y for all M rows of x, with M x R
 // vector accumulators and one lane sum each; prefetches the rows one block further on.
