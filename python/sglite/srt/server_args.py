@@ -127,12 +127,13 @@ class ServerArgs:
         "Largest batch (requests) captured in a CUDA graph; buckets 1, 2, 4, 8, then multiples of 8", 32
     )
     enable_torch_compile: bool = _opt(
-        "CPU: run batched decode steps through a torch.compile (Inductor) graph of the model (fused norms, rotary "
-        "and paged attention), compiled at start-up (~80 s on 2 cores, less when cached). TP 1, Llama-family models",
+        "CPU: run decode steps, prefills, mixed steps and a DFLASH target's verify blocks through torch.compile "
+        "(Inductor) graphs of the model (fused norms and rotary, paged attention through the slot table), compiled "
+        "at start-up (~80 s on 2 cores, less when cached). TP 1, Llama-family models",
         False
     )
     torch_compile_max_bs: int = _opt(
-        "Largest decode batch (requests) the compiled graph runs; larger ones, and batch 1, run eagerly", 32
+        "Largest batch (requests) the compiled graphs run; larger ones run eagerly", 32
     )
 
     # Speculative decoding.
