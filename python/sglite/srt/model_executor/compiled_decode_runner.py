@@ -9,15 +9,18 @@ paged attention of ``layers/attention/compiled_decode.py`` reads K/V through the
 What runs compiled: forwards of the target (not a draft) with ``1 <= batch <= --torch-compile-max-bs`` requests,
 through two graphs of the same function. DECODE steps run through the decode graph (one graph for every batch
 size: see ``run``). Other forwards of new tokens run through the token graph, whose attention gives each new token
-its request's slot-table row and its own key index: prefills and mixed prefill + decode steps where the cost model
-``compiled_extend_pays`` says the graph is faster (short prompts; decode rows outweighing long ones), and a
-DFLASH-family target's TARGET_VERIFY blocks, while the fp32 attention scores stay within ``MAX_ATTENTION_SCORES``.
+its request's slot-table row and its own key index: prefills, mixed prefill + decode steps and a DFLASH-family
+target's TARGET_VERIFY blocks. Its attention is the C++ kernel ``sglite::paged_attention`` where that serves the
+model (``attention_kernel_serves``); otherwise the torch formulation, which reads every key once per prompt token, so
+then a prefill or mixed step runs compiled only where the cost model ``compiled_extend_pays`` says the graph is faster
+(short prompts; decode rows outweighing long ones), and only while its fp32 scores stay within ``MAX_ATTENTION_SCORES``.
 The model body only (embedding, layers, final norm; the LM head and logits stay eager). Other forwards (the
-draft's block, longer prompts, larger batches) run eagerly, as SGLang does above its captured batch sizes. A
-32-token prompt at batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and 32; a mixed step (one
-32-token prompt beside 7 or 31 decode rows) 1.04x-1.09x (docs/benchmarks.md, "CPU pinning and compiled prefill
-blocks, session 18" and "Mixed steps compiled, session 19"): the norms, rotary and SiLU*mul fuse as in decode; the
-GEMMs, which dominate these forwards, are the same. The graphs are compiled at start-up (``warm_up``), so no
+draft's block, larger batches) run eagerly, as SGLang does above its captured batch sizes. A 32-token prompt at
+batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and 32; a mixed step (one 32-token prompt beside 7
+or 31 decode rows) 1.04x-1.09x, and with a 256-token prompt 1.10x-1.33x (docs/benchmarks.md, "CPU pinning and
+compiled prefill blocks, session 18", "Mixed steps compiled, session 19" and "A paged attention kernel for prefills,
+session 20"): the norms, rotary and SiLU*mul fuse as in decode; the GEMMs, which dominate these forwards, are the
+same. The graphs are compiled at start-up (``warm_up``), so no
 request waits on a compile. Inductor caches its code on disk, so a later start with the same model recompiles
 faster. The numbers are not bit-identical to eager (fused fp32 arithmetic in another order): tests bound the
 logits difference and check greedy output on models with clear margins.
@@ -53,11 +56,12 @@ FLAG = "--enable-torch-compile"
 WARM_UP_KEYS = 3
 # The token graph's warm-up: new tokens per request, unequal so that nothing in the graph assumes equal counts.
 WARM_UP_NEW_TOKENS = [2, 1]
-# The token graph's attention materialises its fp32 scores, [new tokens, keys, query heads]: a forward past this
-# many (64 MB; e.g. a verify block on a long context) runs eagerly, where SDPA tiles them.
+# Without the C++ kernel, the token graph's attention materialises its fp32 scores, [new tokens, keys, query heads]: a
+# forward past this many (64 MB; e.g. a verify block on a long context) runs eagerly, where SDPA tiles them.
 MAX_ATTENTION_SCORES = 1 << 24
-# The token graph's attention reads every key of the longest sequence for each new token, with none of eager SDPA's
-# reuse across one prompt's queries; it pays where the graph's fused element-wise ops save more. Measured on SmolLM2
+# Without the C++ kernel, the token graph's attention reads every key of the longest sequence for each new token, with
+# none of eager SDPA's reuse across one prompt's queries; it pays where the graph's fused element-wise ops save more.
+# Measured on SmolLM2
 # (docs/benchmarks.md, "Mixed steps compiled, session 19"): a prompt token breaks even at ~48 keys (a 1,024-token
 # prompt took twice as long compiled), while each decode row of a mixed step saves what ~448 prompt-token key reads
 # cost (eager, a mixed step's decode rows go through the prefill attention one request at a time). A model with a
@@ -114,7 +118,8 @@ def compiled_extend_pays(new_tokens: list[int], max_keys: int) -> bool:
 def attention_kernel_serves(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether the C++ paged attention kernel serves every attention layer of ``model`` (its dtype, head geometry)."""
     layers = [m for m in model.modules() if isinstance(m, RadixAttention)]
-    return bool(layers) and all(kernel_serves(dtype, a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim) for a in layers)
+    served = (kernel_serves(dtype, a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim) for a in layers)
+    return bool(layers) and all(served)
 
 
 def new_tokens_per_request(forward_batch: ForwardBatch) -> list[int]:

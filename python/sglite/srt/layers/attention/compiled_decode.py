@@ -119,7 +119,8 @@ class CompiledDecodeAttention:
 
     def __init__(self, token_to_kv_pool: Any, use_kernel: bool) -> None:
         self.token_to_kv_pool = token_to_kv_pool
-        self.use_kernel = use_kernel  # the C++ kernel serves every layer's attention (cpu_paged_attention.kernel_serves)
+        # The C++ kernel serves every layer's attention (cpu_paged_attention.kernel_serves), decided before tracing.
+        self.use_kernel = use_kernel
 
     def forward(
         self,
@@ -140,7 +141,7 @@ class CompiledDecodeAttention:
             k_cache.index_put_((slots.out_cache_loc,), k.reshape(tokens, layer.num_kv_heads, layer.head_dim))
             v_cache.index_put_((slots.out_cache_loc,), v.reshape(tokens, layer.num_kv_heads, layer.v_head_dim))
         o = paged_causal_attention(
-            q.reshape(tokens, layer.num_heads, layer.head_dim), k_cache, v_cache, slots, layer.scaling, layer.sliding_window,
-            self.use_kernel,
+            q.reshape(tokens, layer.num_heads, layer.head_dim), k_cache, v_cache, slots, layer.scaling,
+            layer.sliding_window, self.use_kernel,
         )
         return o.reshape(tokens, layer.num_heads * layer.v_head_dim)

@@ -1,18 +1,19 @@
-// Paged causal attention for the compiled CPU forwards (decode steps, prefills, mixed steps, verify blocks), fp32.
+// Paged causal attention for the compiled CPU forwards of several new tokens a request (prefills, mixed steps, verify
+// blocks), fp32. A decode step (one token a request) is served too, though the decode graph keeps the torch formulation.
 //
 // Traced by Inductor, the torch formulation (layers/attention/compiled_decode.py) computes every score as its own
 // 64-wide dot product with a horizontal sum, for every key of the longest sequence (masked ones included), and a
-// prompt token re-gathers its request's keys: ~10% of a SmolLM2 decode step at batch 32 and ~5% of a 32 x 32-token
-// prefill (docs/benchmarks.md, "A paged attention kernel for prefills, session 20"). Here one task is a
-// (request, KV head) pair: each key row is read from the pool once per new token and multiplied into all of the
-// query heads that share it, only the causal (and sliding-window) range is scored, and the softmax's exp is a
-// vectorised polynomial.
+// prompt token re-gathers its request's keys: a 1,024-token SmolLM2 prompt took 1.9x as long as with this kernel
+// (docs/benchmarks.md, "A paged attention kernel for prefills, session 20"). Here one task is a (request, KV head)
+// pair: each key row is read from the pool once per new token and multiplied into all of the query heads that share
+// it, only the causal (and sliding-window) range is scored, and the softmax's exp is a vectorised polynomial.
 //
 // Layouts: q [T, H, D], out [T, H, Dv], the pool's k [slots, Hkv, D] and v [slots, Hkv, Dv], all contiguous;
 // kv_indices [B, row_stride] (request b's keys are its first seq_lens[b] entries, its new tokens last). Token t
 // belongs to request token_rows[t] (request-major: a request's tokens are consecutive) and sees the keys up to its
 // own index token_key_index[t]; with both null (a decode step) token t is request t and sees all of its keys.
-// D and Dv are multiples of 16 and at most kMaxDim; H / Hkv (the group) at most kMaxGroup. The caller checks these.
+// D and Dv are 16, 32, 64, 96, 128 or 256 (the instantiations); H / Hkv (the group) at most kMaxGroup. The caller
+// checks these (cpu_paged_attention.kernel_serves).
 //
 // Plain C++ with a C entry point, loaded with ctypes (layers/attention/cpu_paged_attention.py), built like the other
 // kernels (layers/cpu_kernel_build.py). Threads from OpenMP (torch's libgomp): one task per (request, KV head).
@@ -73,14 +74,12 @@ inline void prefetch_row(const float* row, int64_t vecs) {
   for (int64_t c = 0; c < vecs; ++c) __builtin_prefetch(row + c * kLanes, 0, 3);
 }
 
+// What every task reads: the queries, the pool's K/V, the geometry, and where the outputs go.
 struct Problem {
   const float* q;
   const float* k_cache;
   const float* v_cache;
-  const int64_t* kv_indices;
-  const int64_t* seq_lens;
-  const int64_t* token_key_index;
-  int64_t num_heads, num_kv_heads, head_dim, v_head_dim, row_stride, sliding_window;
+  int64_t num_heads, num_kv_heads, head_dim, v_head_dim;
   float scaling;
   float* out;
 };
@@ -98,8 +97,8 @@ void score_keys(const Problem& p, const int64_t* __restrict keys, int64_t t, int
   }
   const int64_t v_row = p.num_kv_heads * p.v_head_dim;
   for (int64_t l = 0; l < n; ++l) {
-    // A decode step's keys come from DRAM (the weights streamed through the caches since the last step): while
-    // this request computes, fetch the next one's rows of this KV head, a key at a time, spread over the compute.
+    // A request's keys come from DRAM (the weights streamed through the caches since they were written): while this
+    // request computes, fetch the next one's rows of this KV head, a key at a time, spread over the compute.
     if (l < next_n) {
       prefetch_row(p.k_cache + next_keys[l] * k_row + g * p.head_dim, DV);
       prefetch_row(p.v_cache + next_keys[l] * v_row + g * p.v_head_dim, p.v_head_dim / kLanes);
@@ -221,8 +220,7 @@ extern "C" int sglite_paged_attention(const float* q, int64_t num_tokens, int64_
   const ScoreFn score = for_dim<Score, ScoreFn>(head_dim);
   const WeighFn weigh = for_dim<Weigh, WeighFn>(v_head_dim);
   if (score == nullptr || weigh == nullptr) return 1;
-  const Problem p{q, k_cache, v_cache, kv_indices, seq_lens, token_key_index, num_heads, num_kv_heads, head_dim,
-                  v_head_dim, row_stride, sliding_window, scaling, out};
+  const Problem p{q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, v_head_dim, scaling, out};
   const int64_t tasks = num_reqs * num_kv_heads, group = num_heads / num_kv_heads;
 #pragma omp parallel if (tasks > 1)
   {
