@@ -59,32 +59,6 @@ def paged_causal_attention(
     slots: DecodeSlots,
     scaling: float,
     sliding_window: Optional[int],
-    use_kernel: bool,
-) -> torch.Tensor:
-    """o ``[T, H, Dv]`` for queries ``[T, H, D]``: each new token attends causally over its request's keys.
-
-    Forwards of several new tokens a request go through the C++ kernel ``sglite::paged_attention`` when
-    ``use_kernel`` (decided before tracing, by ``cpu_paged_attention.kernel_serves``): the torch formulation reads
-    every key of the longest sequence for each new token, and a prompt's tokens each re-read their request's keys. A
-    decode step reads each request's keys once either way, and there Inductor's fused loop over the torch formulation
-    matched or beat the kernel (docs/benchmarks.md, "A paged attention kernel for prefills, session 20"). The
-    contract is stated on ``paged_causal_attention_torch``.
-    """
-    if use_kernel and slots.token_rows is not None:
-        return torch.ops.sglite.paged_attention(
-            q, k_cache, v_cache, slots.kv_indices, slots.seq_lens, slots.token_rows, slots.token_key_index, scaling,
-            sliding_window or 0,
-        )
-    return paged_causal_attention_torch(q, k_cache, v_cache, slots, scaling, sliding_window)
-
-
-def paged_causal_attention_torch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: DecodeSlots,
-    scaling: float,
-    sliding_window: Optional[int],
 ) -> torch.Tensor:
     """o ``[T, H, Dv]`` for queries ``[T, H, D]``: each new token attends causally over its request's keys.
 
@@ -115,7 +89,9 @@ def paged_causal_attention_torch(
 
 
 class CompiledDecodeAttention:
-    """The attention backend a compiled decode step's model forward calls: K/V write, then paged attention."""
+    """The attention backend a compiled forward's model calls: K/V write, then paged attention (the C++ kernel
+    ``sglite::paged_attention`` for forwards of several new tokens a request when ``use_kernel``, else
+    ``paged_causal_attention``)."""
 
     def __init__(self, token_to_kv_pool: Any, use_kernel: bool) -> None:
         self.token_to_kv_pool = token_to_kv_pool
@@ -140,8 +116,16 @@ class CompiledDecodeAttention:
             # index_put_ on the pool buffer: Inductor writes the rows in place (no copy of the buffer).
             k_cache.index_put_((slots.out_cache_loc,), k.reshape(tokens, layer.num_kv_heads, layer.head_dim))
             v_cache.index_put_((slots.out_cache_loc,), v.reshape(tokens, layer.num_kv_heads, layer.v_head_dim))
-        o = paged_causal_attention(
-            q.reshape(tokens, layer.num_heads, layer.head_dim), k_cache, v_cache, slots, layer.scaling,
-            layer.sliding_window, self.use_kernel,
-        )
+        q = q.reshape(tokens, layer.num_heads, layer.head_dim)
+        if self.use_kernel and slots.token_rows is not None:
+            # Forwards of several new tokens a request: the torch formulation reads every key of the longest sequence
+            # for each new token, and a prompt's tokens each re-read their request's keys. A decode step reads each
+            # request's keys once either way, and there Inductor's fused loop matched or beat the kernel
+            # (docs/benchmarks.md, "A paged attention kernel for prefills, session 20").
+            o = torch.ops.sglite.paged_attention(
+                q, k_cache, v_cache, slots.kv_indices, slots.seq_lens, slots.token_rows, slots.token_key_index,
+                layer.scaling, layer.sliding_window or 0,
+            )
+        else:
+            o = paged_causal_attention(q, k_cache, v_cache, slots, layer.scaling, layer.sliding_window)
         return o.reshape(tokens, layer.num_heads * layer.v_head_dim)

@@ -1,6 +1,6 @@
 """A C++ CPU kernel for the compiled forwards' paged causal attention (csrc/paged_attention.cpp): ``sglite::paged_attention``.
 
-Traced by Inductor, the torch formulation (``compiled_decode.paged_causal_attention_torch``) scores every key of the
+Traced by Inductor, the torch formulation (``compiled_decode.paged_causal_attention``) scores every key of the
 longest sequence for each new token, and each prompt token re-reads its request's keys: ~5% of a prefill of 32
 prompts of 32 tokens on SmolLM2, and a 1,024-token prompt took 1.9x as long as with this kernel (docs/benchmarks.md,
 "A paged attention kernel for prefills, session 20"). The kernel reads each key row once per new token for all query

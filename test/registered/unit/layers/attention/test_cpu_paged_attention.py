@@ -12,7 +12,7 @@ from sglite.srt.layers.attention import cpu_paged_attention
 from sglite.srt.layers.attention.compiled_decode import (
     CompiledDecodeAttention,
     TracedDecodeBatch,
-    paged_causal_attention_torch,
+    paged_causal_attention,
 )
 from sglite.srt.layers.attention.cpu_paged_attention import MAX_GROUP, kernel_serves
 from sglite.srt.layers.cpu_kernel_build import cxx_compiler
@@ -70,7 +70,7 @@ def test_kernel_equals_the_torch_formulation_and_dense_sdpa(page_size, sliding_w
     layer, tokens = case.layer, case.q.shape[0]
     k_cache, v_cache = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
     q = case.q.reshape(tokens, layer.num_heads, layer.head_dim)
-    torch_out = paged_causal_attention_torch(q, k_cache, v_cache, slots, layer.scaling, sliding_window)
+    torch_out = paged_causal_attention(q, k_cache, v_cache, slots, layer.scaling, sliding_window)
     got = _kernel(case, slots, sliding_window)
     torch.testing.assert_close(got, torch_out, atol=1e-5, rtol=1e-5)
     dense = dense_reference(case, causal=True).reshape(tokens, layer.num_heads, layer.v_head_dim)
