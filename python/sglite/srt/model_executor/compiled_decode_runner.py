@@ -20,10 +20,10 @@ batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and 32; a mixe
 or 31 decode rows) 1.04x-1.09x, and with a 256-token prompt 1.10x-1.33x (docs/benchmarks.md, "CPU pinning and
 compiled prefill blocks, session 18", "Mixed steps compiled, session 19" and "A paged attention kernel for prefills,
 session 20"): the norms, rotary and SiLU*mul fuse as in decode; the GEMMs, which dominate these forwards, are the
-same. The graphs are compiled at start-up (``warm_up``), so no
-request waits on a compile. Inductor caches its code on disk, so a later start with the same model recompiles
-faster. The numbers are not bit-identical to eager (fused fp32 arithmetic in another order): tests bound the
-logits difference and check greedy output on models with clear margins.
+same. The graphs are compiled at start-up (``warm_up``), so no request waits on a compile. Inductor caches its code
+on disk, so a later start with the same model recompiles faster. The numbers are not bit-identical to eager (fused
+fp32 arithmetic in another order): tests bound the logits difference and check greedy output on models with clear
+margins.
 
 Supported: CPU, TP 1 without DP attention, Llama-family models (Llama, Qwen2, Qwen3), a KV pool stored
 in the model dtype. Anything else is a start-up error naming the flag.
@@ -61,11 +61,10 @@ WARM_UP_NEW_TOKENS = [2, 1]
 MAX_ATTENTION_SCORES = 1 << 24
 # Without the C++ kernel, the token graph's attention reads every key of the longest sequence for each new token, with
 # none of eager SDPA's reuse across one prompt's queries; it pays where the graph's fused element-wise ops save more.
-# Measured on SmolLM2
-# (docs/benchmarks.md, "Mixed steps compiled, session 19"): a prompt token breaks even at ~48 keys (a 1,024-token
-# prompt took twice as long compiled), while each decode row of a mixed step saves what ~448 prompt-token key reads
-# cost (eager, a mixed step's decode rows go through the prefill attention one request at a time). A model with a
-# wider hidden size has relatively cheaper attention, so these are on the safe side for it.
+# Measured on SmolLM2 (docs/benchmarks.md, "Mixed steps compiled, session 19"): a prompt token breaks even at ~48
+# keys (a 1,024-token prompt took twice as long compiled), while each decode row of a mixed step saves what ~448
+# prompt-token key reads cost (eager, a mixed step's decode rows go through the prefill attention one request at a
+# time). A model with a wider hidden size has relatively cheaper attention, so these are on the safe side for it.
 PROMPT_TOKEN_BREAK_EVEN_KEYS = 48
 DECODE_ROW_KEY_CREDIT = 448
 
@@ -193,8 +192,9 @@ class CompiledDecodeRunner:
         return self.model.model(input_ids, positions, batch)
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        """Whether this forward is one the compiled graphs serve: a decode step, a prefill or mixed prefill +
-        decode step that the cost model says pays, or a DFLASH-family verify block, within the scores budget."""
+        """Whether this forward is one the compiled graphs serve: a decode step, a prefill or mixed prefill + decode
+        step, or a DFLASH-family verify block; without the C++ attention kernel, only those the cost model says pay
+        and within the scores budget."""
         if not (
             1 <= forward_batch.batch_size <= self.max_bs
             and forward_batch.input_embeds is None
@@ -205,18 +205,21 @@ class CompiledDecodeRunner:
         mode = forward_batch.forward_mode
         if mode == ForwardMode.DECODE:
             return True
-        if mode == ForwardMode.EXTEND:
-            if self.attention.use_kernel:
-                return True  # compiled is at least level with eager at every prompt length measured (1-1,024 tokens)
-            pays = compiled_extend_pays(forward_batch.extend_seq_lens_cpu, max(forward_batch.seq_lens_cpu))
-            return pays and self._scores_fit(forward_batch)
-        return mode == ForwardMode.TARGET_VERIFY and self.verifies and self._scores_fit(forward_batch)
+        if not (mode == ForwardMode.EXTEND or (mode == ForwardMode.TARGET_VERIFY and self.verifies)):
+            return False
+        if self.attention.use_kernel:
+            # It materialises no scores, and compiled was at least level with eager at every prompt length measured
+            # (1-1,024 tokens).
+            return True
+        if mode == ForwardMode.EXTEND and not compiled_extend_pays(
+            forward_batch.extend_seq_lens_cpu, max(forward_batch.seq_lens_cpu)
+        ):
+            return False
+        return self._scores_fit(forward_batch)
 
     def _scores_fit(self, forward_batch: ForwardBatch) -> bool:
-        """Whether the token graph's fp32 scores, [new tokens, longest sequence, query heads], stay within budget (the
-        C++ kernel materialises none)."""
-        if self.attention.use_kernel:
-            return True
+        """Whether the torch formulation's fp32 scores, [new tokens, longest sequence, query heads], stay within
+        budget."""
         heads = self.model.config.num_attention_heads
         return forward_batch.input_ids.shape[0] * max(forward_batch.seq_lens_cpu) * heads <= MAX_ATTENTION_SCORES
 

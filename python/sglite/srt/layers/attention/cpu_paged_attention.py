@@ -24,7 +24,6 @@ from sglite.srt.layers.cpu_kernel_build import BASE_FLAGS, CSRC, open_cpu_librar
 
 SOURCE = CSRC / "paged_attention.cpp"
 ENV_SWITCH = "SGLITE_CPU_PAGED_ATTENTION_KERNEL"
-LANES = 16  # the kernel's vector width in floats: head sizes are multiples of it
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the kernel's instantiations
 MAX_GROUP = 16  # query heads per KV head
 _BUILD_LOCK = threading.Lock()

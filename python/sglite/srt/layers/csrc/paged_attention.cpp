@@ -26,7 +26,6 @@
 
 namespace {
 
-constexpr int kMaxDim = 256;  // head sizes served: 16, 32, 64, 96, 128, 256
 constexpr int kMaxGroup = 16;
 
 inline void store(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
@@ -167,7 +166,7 @@ typedef void (*ScoreFn)(const Problem&, const int64_t*, int64_t, int64_t, int64_
 typedef void (*WeighFn)(const Problem&, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                         const float*, const float*);
 
-// The instantiation for a head size (a multiple of 16, at most kMaxDim), or null.
+// The instantiation for a head size (a multiple of 16), or null: 16, 32, 64, 96, 128 and 256 have one.
 template <template <int> class F, typename Fn>
 Fn for_dim(int64_t dim) {
   switch (dim / kLanes) {
@@ -199,9 +198,9 @@ extern "C" int sglite_paged_attention(const float* q, int64_t num_tokens, int64_
                                       int64_t row_stride, const int64_t* seq_lens, const int64_t* token_rows,
                                       const int64_t* token_key_index, float scaling, int64_t sliding_window,
                                       float* out) {
+  // Head sizes: multiples of 16 here, and for_dim below refuses those it has no instantiation for.
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxGroup ||
-      head_dim % kLanes != 0 || v_head_dim % kLanes != 0 || head_dim < kLanes || v_head_dim < kLanes ||
-      head_dim > kMaxDim || v_head_dim > kMaxDim || (token_rows == nullptr) != (token_key_index == nullptr) ||
+      head_dim % kLanes != 0 || v_head_dim % kLanes != 0 || (token_rows == nullptr) != (token_key_index == nullptr) ||
       (token_rows == nullptr && num_tokens != num_reqs))
     return 1;
   // Each request's first new token: tokens are request-major, so one pass finds the ranges.
@@ -237,7 +236,7 @@ extern "C" int sglite_paged_attention(const float* q, int64_t num_tokens, int64_
         if (static_cast<int64_t>(scores.size()) < group * stride) scores.resize(static_cast<size_t>(group * stride));
         // The next request's keys are fetched during this request's first token (its later ones hit the caches).
         const bool fetch_next = t == first[b] && b + 1 < num_reqs;
-        score(p, keys, t, g, group, lo, n, stride, scores.data(), kv_indices + (b + 1) * row_stride,
+        score(p, keys, t, g, group, lo, n, stride, scores.data(), fetch_next ? keys + row_stride : nullptr,
               fetch_next ? seq_lens[b + 1] : 0);
         softmax_rows(scores.data(), group, n, stride, inv_sum);
         weigh(p, keys, t, g, group, lo, n, stride, scores.data(), inv_sum);
