@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Optional
+import types
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -181,9 +182,13 @@ class CompiledDecodeRunner:
         # prefills, mixed steps and a DFLASH-family target's verify blocks (its prefill, draft-free and verify
         # forwards capture the same layers).
         self.verifies = self.capture is not None
-        # Only the batch, token and key-length dims are symbolic (``run`` marks them); everything else, the
+        # Only the batch, token and key-length dims are symbolic (``_guarded`` marks them); everything else, the
         # capture list's layer ids included, is a constant of the graph (dynamic=True would trace those ints too).
         self._compiled = torch.compile(self._model_body, fullgraph=True)
+        # The warm-up's graphs called directly, keyed by whether the forward brings token rows (the token graph) or
+        # not (the decode graph); see ``_direct_call``. Empty until the warm-up, and where this torch exposes no
+        # cache entries.
+        self._direct: dict[bool, Callable] = {}
 
     def _model_body(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: DecodeSlots
@@ -223,14 +228,36 @@ class CompiledDecodeRunner:
         heads = self.model.config.num_attention_heads
         return forward_batch.input_ids.shape[0] * max(forward_batch.seq_lens_cpu) * heads <= MAX_ATTENTION_SCORES
 
+    @property
+    def calls_graphs_directly(self) -> bool:
+        """Whether forwards skip Dynamo's cache lookup (both graphs' code kept at the warm-up; ``_direct_call``)."""
+        return bool(self._direct)
+
     @torch.inference_mode()  # as the workers run; Dynamo guards on the mode, so every call matches the graph
     def run(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """The forward's logits, the model body compiled and the LM head eager."""
-        # Fresh copies made here, under inference mode: Dynamo guards on whether each input is an inference
-        # tensor, which depends on where the caller built its batch (a worker, a test, the warm-up).
-        slots = decode_slots(forward_batch)
-        input_ids = _contiguous_copy(forward_batch.input_ids)
-        positions = _contiguous_copy(forward_batch.positions)
+        input_ids, positions, slots = self._graph_inputs(forward_batch)
+        direct = self._direct.get(slots.token_rows is not None)
+        if direct is not None:
+            hidden, aux = direct(self, input_ids, positions, slots)
+        else:
+            hidden, aux = self._guarded(input_ids, positions, slots)
+        return self.model.logits_processor(hidden, self.model.lm_head, forward_batch, aux)
+
+    def _graph_inputs(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, DecodeSlots]:
+        """The graph's arguments: fresh contiguous int64 copies, made here under inference mode.
+
+        Dynamo guards on whether each input is an inference tensor, which depends on where the caller built its batch
+        (a worker, a test, the warm-up), and on strides and dtypes; copies made here are alike whoever built it.
+        """
+        return _contiguous_copy(forward_batch.input_ids), _contiguous_copy(forward_batch.positions), decode_slots(
+            forward_batch
+        )
+
+    def _guarded(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: DecodeSlots
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The model body through Dynamo: its guards pick (or compile) the graph."""
         # The batch and token dims are unbacked: a backed one is specialised at 1 (Dynamo's 0/1 rule, through
         # broadcasting checks), which would cost batch 1 a second whole-model compile (~80 s on 2 cores);
         # unbacked, one graph serves batch 1 too, its GEMVs on the plain weight (cpu_gemm's row rule).
@@ -240,8 +267,31 @@ class CompiledDecodeRunner:
         for t in per_token + [slots.seq_lens, slots.kv_indices]:
             torch._dynamo.decorators.mark_unbacked(t, 0)
         torch._dynamo.mark_dynamic(slots.kv_indices, 1)
-        hidden, aux = self._compiled(input_ids, positions, slots)
-        return self.model.logits_processor(hidden, self.model.lm_head, forward_batch, aux)
+        return self._compiled(input_ids, positions, slots)
+
+    def _direct_call(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: DecodeSlots
+    ) -> Optional[Callable]:
+        """The code Dynamo generated for the graph that serves these arguments, as a function to call without its
+        cache lookup; None where this torch exposes no cache entries.
+
+        The lookup evaluates ~5,600 guards a call, nearly all on this runner's own attributes (weights, KV buffers,
+        config), which never change, and cost ~1.6 ms a forward: 9% of a SmolLM2 decode step at batch 1
+        (docs/benchmarks.md, "Compiled graphs called without the guard check, session 21"). What differs between
+        calls is fixed by ``_graph_inputs`` (int64, contiguous, inference mode) except which graph serves them, so
+        ``run`` keys the two graphs by whether the forward brings token rows. vLLM's compiled forward dispatches to
+        its compiled code the same way. Dynamo's cache is kept per code object, shared by every runner in a process,
+        so the entry is the one whose guards accept this runner's call, as Dynamo's lookup would choose.
+        """
+        entries_of = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+        if entries_of is None:
+            return None
+        body = CompiledDecodeRunner._model_body
+        f_locals = {"self": self, "input_ids": input_ids, "positions": positions, "slots": slots}
+        for entry in entries_of(body.__code__):
+            if entry.guard_manager.check(f_locals):
+                return types.FunctionType(entry.code, body.__globals__, body.__name__)
+        return None
 
     def _decode_capture_layers(self) -> Optional[list[int]]:
         """The aux layers a decode forward of this target captures: a DFLASH-family target's draft-free steps."""
@@ -251,13 +301,15 @@ class CompiledDecodeRunner:
         return None
 
     def warm_up(self) -> None:
-        """Compile the graphs on dummy batches: req row 0 and KV slot 0, the reserved padding."""
+        """Compile the graphs on dummy batches (req row 0 and KV slot 0, the reserved padding), then keep each one's
+        code to call directly (``_direct_call``), checked to give the guarded call's output."""
         runner = self.model_runner
         # One batch per graph: a decode step, and a prefill whose two requests bring 2 and 1 new tokens (the token
         # graph then serves any mix of new-token counts: prefills, mixed steps, verify blocks).
         warm_ups = [(ForwardMode.DECODE, [1, 1]), (ForwardMode.EXTEND, WARM_UP_NEW_TOKENS)]
         logger.info("Compile decode forward (torch.compile) begin: batch sizes 1 to %d, DECODE and EXTEND", self.max_bs)
         start = time.perf_counter()
+        direct: dict[bool, Callable] = {}
         for mode, new_tokens in warm_ups:
             batch = runner.build_forward_batch(
                 mode,
@@ -265,8 +317,27 @@ class CompiledDecodeRunner:
                 out_cache_loc=torch.zeros(sum(new_tokens), dtype=torch.int64, device=runner.device),
                 capture_aux_hidden_layers=self.capture,
             )
-            self.run(batch)
+            with torch.inference_mode():
+                args = self._graph_inputs(batch)
+                guarded = self._guarded(*args)
+                call = self._direct_call(*args)
+                if call is not None and _same_outputs(call(self, *args), guarded):
+                    direct[mode != ForwardMode.DECODE] = call
         logger.info("Compile decode forward (torch.compile) end. elapsed=%.1f s", time.perf_counter() - start)
+        if len(direct) == len(warm_ups):
+            self._direct = direct
+        else:
+            logger.warning(
+                "Compiled forwards go through Dynamo's guard check (~1.6 ms a forward): this torch build's cache "
+                "entries could not be called directly"
+            )
+
+
+def _same_outputs(
+    a: tuple[torch.Tensor, Optional[torch.Tensor]], b: tuple[torch.Tensor, Optional[torch.Tensor]]
+) -> bool:
+    """Whether two calls of the model body gave bit-identical hidden states and captures (the same graph ran)."""
+    return torch.equal(a[0], b[0]) and (a[1] is None) == (b[1] is None) and (a[1] is None or torch.equal(a[1], b[1]))
 
 
 def build_compiled_decode_runner(model_runner: "ModelRunner") -> Optional[CompiledDecodeRunner]:

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
 from sglite.srt.model_executor.compiled_decode_runner import (
     PROMPT_TOKEN_BREAK_EVEN_KEYS,
     CompiledDecodeError,
@@ -183,6 +184,65 @@ def test_dflash_target_compiles_its_capturing_decode(pair_dirs, rank0):
         target_runner=runner,
     )
     assert drafter.compiled_decode is None  # a draft never decodes
+
+
+def _no_dynamo(*args, **kwargs):
+    raise AssertionError("a forward went through Dynamo's cache lookup")
+
+
+def _forwards_equal_eager(runner, capture=None):
+    """A prefill of two prompts, then decode steps; each forward compiled and equal to eager."""
+    rows = runner.req_to_token_pool.alloc(2)
+    prompts = [[5, 17, 300, 41, 7], [100, 200, 300]]
+    _compiled_equals_eager(
+        runner, runner.build_forward_batch(ForwardMode.EXTEND, list(zip(rows, [0, 0], prompts)), capture_aux_hidden_layers=capture),
+        capture,
+    )
+    lens, nxt = [len(p) for p in prompts], [3, 4]
+    for _ in range(2):
+        fb = runner.build_forward_batch(
+            ForwardMode.DECODE, [(r, n, [t]) for r, n, t in zip(rows, lens, nxt)], capture_aux_hidden_layers=capture
+        )
+        nxt, lens = _compiled_equals_eager(runner, fb, capture).next_token_logits.argmax(-1).tolist(), [n + 1 for n in lens]
+    runner.req_to_token_pool.free(rows)
+
+
+@needs_cxx
+def test_forwards_call_the_warm_up_graphs_without_dynamo(pair_dirs, rank0, monkeypatch):
+    """After the warm-up, decode steps and prefills run the graphs' code directly (no guard check), each runner its
+    own graphs: two runners of one process whose graphs differ (attention kernel or torch formulation; a DFLASH
+    target's captures) share Dynamo's cache, alternate, and each stays equal to eager."""
+    import sglite.srt.model_executor.compiled_decode_runner as cdr
+
+    target, draft = pair_dirs
+    with_kernel = ModelRunner(_args(target))
+    destroy_parallel_runtime()  # the next runner initialises its own (TP 1: its forwards need no group)
+    monkeypatch.setattr(cdr, "attention_kernel_serves", lambda model, dtype: False)
+    without_kernel = ModelRunner(_args(target))
+    destroy_parallel_runtime()
+    dflash = ModelRunner(_args(target, speculative_algorithm="DFLASH", speculative_draft_model_path=draft))
+    capture = [int(i) for i in dflash.spec_aux_config.target_layer_ids]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for runner in (with_kernel, without_kernel, dflash):
+        assert runner.compiled_decode.calls_graphs_directly
+        monkeypatch.setattr(runner.compiled_decode, "_compiled", _no_dynamo)
+    assert with_kernel.compiled_decode.attention.use_kernel and not without_kernel.compiled_decode.attention.use_kernel
+    for _ in range(2):
+        _forwards_equal_eager(with_kernel)
+        _forwards_equal_eager(without_kernel)
+        _forwards_equal_eager(dflash, capture)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_cxx
+def test_without_dynamo_cache_entries_forwards_go_through_the_guards(pair_dirs, rank0, monkeypatch, caplog):
+    """A torch build without the cache-entry hook: a warning at start-up, and every forward through Dynamo."""
+    monkeypatch.delattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    with caplog.at_level("WARNING", logger="sglite.srt.model_executor.compiled_decode_runner"):
+        runner = ModelRunner(_args(pair_dirs[0]))
+    assert not runner.compiled_decode.calls_graphs_directly
+    assert "go through Dynamo's guard check" in caplog.text
+    _forwards_equal_eager(runner)
 
 
 def test_unsupported_configurations_are_errors_naming_the_flag():
