@@ -288,9 +288,12 @@ class CompiledDecodeRunner:
             return None
         body = CompiledDecodeRunner._model_body
         f_locals = {"self": self, "input_ids": input_ids, "positions": positions, "slots": slots}
-        for entry in entries_of(body.__code__):
-            if entry.guard_manager.check(f_locals):
-                return types.FunctionType(entry.code, body.__globals__, body.__name__)
+        try:  # a debug hook: another torch may shape its entries differently, which only costs the speed-up
+            for entry in entries_of(body.__code__):
+                if entry.guard_manager.check(f_locals):
+                    return types.FunctionType(entry.code, body.__globals__, body.__name__)
+        except (AttributeError, TypeError) as e:
+            logger.warning("Dynamo's cache entries are not readable here (%s)", e)
         return None
 
     def _decode_capture_layers(self) -> Optional[list[int]]:

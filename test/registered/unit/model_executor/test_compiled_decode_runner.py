@@ -235,13 +235,19 @@ def test_forwards_call_the_warm_up_graphs_without_dynamo(pair_dirs, rank0, monke
 
 
 @needs_cxx
-def test_without_dynamo_cache_entries_forwards_go_through_the_guards(pair_dirs, rank0, monkeypatch, caplog):
-    """A torch build without the cache-entry hook: a warning at start-up, and every forward through Dynamo."""
-    monkeypatch.delattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
+@pytest.mark.parametrize("hook", ["missing", "unreadable"])
+def test_without_dynamo_cache_entries_forwards_go_through_the_guards(pair_dirs, rank0, monkeypatch, caplog, hook):
+    """A torch build without the cache-entry hook, or whose entries look otherwise: a warning at start-up, and every
+    forward through Dynamo."""
+    if hook == "missing":
+        monkeypatch.delattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    else:
+        monkeypatch.setattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", lambda code: [object()])
     with caplog.at_level("WARNING", logger="sglite.srt.model_executor.compiled_decode_runner"):
         runner = ModelRunner(_args(pair_dirs[0]))
     assert not runner.compiled_decode.calls_graphs_directly
     assert "go through Dynamo's guard check" in caplog.text
+    assert ("not readable" in caplog.text) == (hook == "unreadable")
     _forwards_equal_eager(runner)
 
 
