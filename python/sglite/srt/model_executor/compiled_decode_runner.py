@@ -20,7 +20,8 @@ batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and 32; a mixe
 or 31 decode rows) 1.04x-1.09x, and with a 256-token prompt 1.10x-1.33x (docs/benchmarks.md, "CPU pinning and
 compiled prefill blocks, session 18", "Mixed steps compiled, session 19" and "A paged attention kernel for prefills,
 session 20"): the norms, rotary and SiLU*mul fuse as in decode; the GEMMs, which dominate these forwards, are the
-same. The graphs are compiled at start-up (``warm_up``), so no request waits on a compile. Inductor caches its code
+same. The graphs are compiled at start-up (``warm_up``), so no request waits on a compile, and then called without
+Dynamo's guard check (``_direct_call``). Inductor caches its code
 on disk, so a later start with the same model recompiles faster. The numbers are not bit-identical to eager (fused
 fp32 arithmetic in another order): tests bound the logits difference and check greedy output on models with clear
 margins.
