@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from sglite.srt.managers.base_model_worker import BaseModelWorker
 from sglite.srt.managers.scheduler import Scheduler
 from sglite.srt.server_args import ServerArgs
 from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 
 def resolve_eos_token_ids(model_path: Optional[str], model_config: Any, tokenizer: Any) -> list[int]:
@@ -53,6 +56,22 @@ def create_model_worker(
     )
 
 
+def submit_tokenizer_load(pool: ThreadPoolExecutor, tokenizer_path: str) -> Future:
+    """Start loading the tokenizer on ``pool``, once transformers' auto modules are imported in this thread.
+
+    The model load in this thread imports them too (a GGUF's config goes through ``CONFIG_MAPPING``), and a first
+    import of transformers' circular modules from two threads at once can hand one thread a half-initialised module:
+    a cold ``sglite serve`` failed once in seven starts with "cannot import name 'CONFIG_MAPPING' from
+    'transformers'". Imported here first (~1 s), only the tokenizer's file reading overlaps the weight load.
+    """
+    import transformers.models.auto.configuration_auto  # noqa: F401
+    import transformers.models.auto.tokenization_auto  # noqa: F401
+
+    from sglite.srt.managers.detokenizer_manager import load_tokenizer
+
+    return pool.submit(load_tokenizer, tokenizer_path)
+
+
 def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, world_size: int, pipe_writer: Any) -> None:
     """Process entry of one scheduler rank: build the worker, report ready on the pipe, serve forever.
 
@@ -66,7 +85,6 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
 
     from sglite.srt.disaggregation.factory import create_disagg
     from sglite.srt.managers.cpu_threads import apply_scheduler_threads
-    from sglite.srt.managers.detokenizer_manager import load_tokenizer
     from sglite.srt.managers.io_struct import SchedulerInitError, SchedulerReady
     from sglite.srt.managers.subprocess_watchdog import watch_parent
 
@@ -86,7 +104,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
         with ThreadPoolExecutor(1, thread_name_prefix="sglite-tokenizer-load") as pool:
             # Importing transformers and reading tokenizer.json overlaps the weight load, whose numpy /
             # torch kernels leave the GIL free; on a 2-core box this hides most of it.
-            pending = pool.submit(load_tokenizer, tokenizer_path) if tokenizer_path else None
+            pending = submit_tokenizer_load(pool, tokenizer_path) if tokenizer_path else None
             worker = create_model_worker(
                 server_args,
                 rank=rank,

@@ -167,3 +167,25 @@ def test_scheduler_process_tp2_lockstep(tmp_path):
             p.join(5)
         ctx.destroy(linger=0)
         shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+
+
+def test_tokenizer_thread_starts_after_transformers_auto_modules_are_imported():
+    """The tokenizer load thread starts only once this thread has imported transformers' auto modules: a first import
+    of them from two threads at once failed a cold start ("cannot import name 'CONFIG_MAPPING'"). A fresh interpreter,
+    since this process imported transformers long ago."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from sglite.srt.managers.scheduler_process import submit_tokenizer_load
+AUTO = ("transformers.models.auto.configuration_auto", "transformers.models.auto.tokenization_auto")
+print(all(m in sys.modules for m in AUTO))
+class Pool:
+    def submit(self, fn, *args):
+        print(all(m in sys.modules for m in AUTO), fn.__name__, args)
+        return "future"
+print(submit_tokenizer_load(Pool(), "/some/model"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split("\n")[:3] == ["False", "True load_tokenizer ('/some/model',)", "future"]
