@@ -4,8 +4,8 @@ Each kernel is plain C++ with a C entry point (no torch headers: ~3 s to compile
 use with the host's compiler (``$CXX``, else ``c++`` or ``g++``) into sglite's cache (``$SGLITE_CACHE_DIR``, else
 ``~/.cache/sglite``, under ``kernels/``). A library's name is its source's stem and a hash of source (with the
 shared headers beside it), flags, compiler and CPU (``-march=native`` builds for the CPU), so later processes on the
-same host load it as built. OpenMP comes from torch's own ``libgomp.so.1`` (same soname, already loaded), so the kernels share torch's thread
-pool and its ``set_num_threads``.
+same host load it as built. OpenMP comes from torch's own ``libgomp.so.1`` (same soname, already loaded), so the
+kernels share torch's thread pool and its ``set_num_threads``.
 """
 
 from __future__ import annotations

@@ -102,8 +102,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
             )
         tokenizer_path = server_args.tokenizer_path or server_args.model_path
         with ThreadPoolExecutor(1, thread_name_prefix="sglite-tokenizer-load") as pool:
-            # Importing transformers and reading tokenizer.json overlaps the weight load, whose numpy /
-            # torch kernels leave the GIL free; on a 2-core box this hides most of it.
+            # Reading the tokenizer files overlaps the weight load, whose numpy / torch kernels leave the GIL
+            # free; transformers' modules are imported first, in this thread (submit_tokenizer_load says why).
             pending = submit_tokenizer_load(pool, tokenizer_path) if tokenizer_path else None
             worker = create_model_worker(
                 server_args,

@@ -21,10 +21,9 @@ or 31 decode rows) 1.04x-1.09x, and with a 256-token prompt 1.10x-1.33x (docs/be
 compiled prefill blocks, session 18", "Mixed steps compiled, session 19" and "A paged attention kernel for prefills,
 session 20"): the norms, rotary and SiLU*mul fuse as in decode; the GEMMs, which dominate these forwards, are the
 same. The graphs are compiled at start-up (``warm_up``), so no request waits on a compile, and then called without
-Dynamo's guard check (``_direct_call``). Inductor caches its code
-on disk, so a later start with the same model recompiles faster. The numbers are not bit-identical to eager (fused
-fp32 arithmetic in another order): tests bound the logits difference and check greedy output on models with clear
-margins.
+Dynamo's guard check (``_direct_call``). Inductor caches its code on disk, so a later start with the same model
+recompiles faster. The numbers are not bit-identical to eager (fused fp32 arithmetic in another order): tests bound
+the logits difference and check greedy output on models with clear margins.
 
 Supported: CPU, TP 1 without DP attention, Llama-family models (Llama, Qwen2, Qwen3), a KV pool stored
 in the model dtype. Anything else is a start-up error naming the flag.
@@ -186,9 +185,8 @@ class CompiledDecodeRunner:
         # Only the batch, token and key-length dims are symbolic (``_guarded`` marks them); everything else, the
         # capture list's layer ids included, is a constant of the graph (dynamic=True would trace those ints too).
         self._compiled = torch.compile(self._model_body, fullgraph=True)
-        # The warm-up's graphs called directly, keyed by whether the forward brings token rows (the token graph) or
-        # not (the decode graph); see ``_direct_call``. Empty until the warm-up, and where this torch exposes no
-        # cache entries.
+        # The warm-up's graphs called directly, keyed by ``_serves_tokens`` (the token graph, or the decode graph);
+        # see ``_direct_call``. Empty until the warm-up, and where this torch exposes no cache entries.
         self._direct: dict[bool, Callable] = {}
 
     def _model_body(
@@ -238,7 +236,7 @@ class CompiledDecodeRunner:
     def run(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """The forward's logits, the model body compiled and the LM head eager."""
         input_ids, positions, slots = self._graph_inputs(forward_batch)
-        direct = self._direct.get(slots.token_rows is not None)
+        direct = self._direct.get(_serves_tokens(slots))
         if direct is not None:
             hidden, aux = direct(self, input_ids, positions, slots)
         else:
@@ -280,7 +278,7 @@ class CompiledDecodeRunner:
         config), which never change, and cost ~1.6 ms a forward: 9% of a SmolLM2 decode step at batch 1
         (docs/benchmarks.md, "Compiled graphs called without the guard check, session 21"). What differs between
         calls is fixed by ``_graph_inputs`` (int64, contiguous, inference mode) except which graph serves them, so
-        ``run`` keys the two graphs by whether the forward brings token rows. vLLM's compiled forward dispatches to
+        ``run`` keys the two graphs by ``_serves_tokens``. vLLM's compiled forward dispatches to
         its compiled code the same way. Dynamo's cache is kept per code object, shared by every runner in a process,
         so the entry is the one whose guards accept this runner's call, as Dynamo's lookup would choose.
         """
@@ -326,7 +324,7 @@ class CompiledDecodeRunner:
                 guarded = self._guarded(*args)
                 call = self._direct_call(*args)
                 if call is not None and _same_outputs(call(self, *args), guarded):
-                    direct[mode != ForwardMode.DECODE] = call
+                    direct[_serves_tokens(args[2])] = call
         logger.info("Compile decode forward (torch.compile) end. elapsed=%.1f s", time.perf_counter() - start)
         if len(direct) == len(warm_ups):
             self._direct = direct
@@ -335,6 +333,11 @@ class CompiledDecodeRunner:
                 "Compiled forwards go through Dynamo's guard check (~1.6 ms a forward): this torch build's cache "
                 "entries could not be called directly"
             )
+
+
+def _serves_tokens(slots: DecodeSlots) -> bool:
+    """Which graph a forward's slots call for: the token graph (token rows given) or the decode graph."""
+    return slots.token_rows is not None
 
 
 def _same_outputs(
