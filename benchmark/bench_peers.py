@@ -4,13 +4,15 @@ Offline: one static batch per batch size, a fixed number of new tokens (EOS igno
 to the first token is the prefill, the rest over (new tokens - 1) is decode tok/s. Online: each engine
 that has an OpenAI-compatible server (sglite, vLLM, llama.cpp) gets the same load generator
 (``sglite.bench_serving``, token-id prompts on /v1/completions) at each concurrency: output tok/s,
-TTFT and ITL p50/p99. Rounds interleave the engines; the thread count is one flag for every engine.
+TTFT and ITL p50/p99. Rounds interleave the engines; the thread count is one flag for every engine, and so is the
+dtype (``--dtype bfloat16``: every engine but llama.cpp in bf16, for CPUs with bf16 dot products).
 
 Each peer runs in its own venv (``benchmark/setup_peer_venvs.sh``); this script starts one worker
 process per (engine, round) with that venv's python (``--worker``), so no peer is imported here.
 
     python benchmark/bench_peers.py --model llama200m --mode offline online --threads 1
     python benchmark/bench_peers.py --model smollm2 --engines sglite vllm llamacpp transformers
+    python benchmark/bench_peers.py --model smollm2 --engines sglite-compile vllm --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -104,9 +106,9 @@ def _timed(fn) -> float:
 
 
 def worker_offline(engine: str, model_dir: str, gguf: Optional[str], prompts: list[list[int]], batch_sizes: list[int],
-                   output_len: int, threads: int, ct2_dir: Optional[str]) -> dict[str, Any]:
+                   output_len: int, threads: int, ct2_dir: Optional[str], dtype: str = "float32") -> dict[str, Any]:
     """Runs inside the engine's venv: per batch size, time a 1-token and an output_len-token greedy batch."""
-    gen, first = _make_generator(engine, model_dir, gguf, threads, ct2_dir)
+    gen, first = _make_generator(engine, model_dir, gguf, threads, ct2_dir, dtype)
     gen(prompts[:1], 2)  # warm-up (vLLM compiles, MKL packs caches)
     rows = []
     for bs in batch_sizes:
@@ -120,15 +122,17 @@ def worker_offline(engine: str, model_dir: str, gguf: Optional[str], prompts: li
     return dict(engine=engine, threads=threads, rows=rows)
 
 
-def _make_generator(engine: str, model_dir: str, gguf: Optional[str], threads: int, ct2_dir: Optional[str]):
-    """(generate(batch, n) -> new ids per prompt, first_token(batch)) for one engine, EOS ignored, greedy."""
+def _make_generator(engine: str, model_dir: str, gguf: Optional[str], threads: int, ct2_dir: Optional[str],
+                    dtype: str):
+    """(generate(batch, n) -> new ids per prompt, first_token(batch)) for one engine, EOS ignored, greedy, weights and
+    activations in ``dtype`` (llama.cpp computes in its own GGUF types)."""
     if engine in SGLITE_ENGINES:
         import sglite
 
         # No prefix cache, as vLLM runs here: the timed 1-token batch would otherwise leave the prompts cached for
         # the full batch, whose time (minus the 1-token batch's) then understates decoding by a whole prefill.
         eng = sglite.Engine(model_path=gguf if engine == "sglite-gguf" else model_dir, cpu_threads=threads,
-                            dtype="float32", log_level="warning", disable_radix_cache=True,
+                            dtype=dtype, log_level="warning", disable_radix_cache=True,
                             enable_torch_compile=engine != "sglite")
 
         def gen(batch, n):
@@ -140,7 +144,7 @@ def _make_generator(engine: str, model_dir: str, gguf: Optional[str], threads: i
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=model_dir, dtype="float32", enable_prefix_caching=False, seed=0)
+        llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False, seed=0)
 
         def gen(batch, n):
             sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -153,7 +157,7 @@ def _make_generator(engine: str, model_dir: str, gguf: Optional[str], threads: i
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir)
-        g = ctranslate2.Generator(ct2_dir, device="cpu", intra_threads=threads, compute_type="float32")
+        g = ctranslate2.Generator(ct2_dir, device="cpu", intra_threads=threads, compute_type=dtype)
 
         def gen(batch, n):
             toks = [tok.convert_ids_to_tokens(list(b)) for b in batch]
@@ -184,7 +188,7 @@ def _make_generator(engine: str, model_dir: str, gguf: Optional[str], threads: i
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         model.generation_config.eos_token_id = None  # ignore EOS: fixed output length
 
         def gen(batch, n):
@@ -203,7 +207,7 @@ def worker_main(args: argparse.Namespace) -> int:
     with open(args.job) as f:
         job = json.load(f)
     res = worker_offline(args.worker, job["model_dir"], job.get("gguf"), job["prompts"], job["batch_sizes"],
-                         job["output_len"], job["threads"], job.get("ct2_dir"))
+                         job["output_len"], job["threads"], job.get("ct2_dir"), job.get("dtype", "float32"))
     with open(args.out, "w") as f:
         json.dump(res, f)
     os._exit(0)  # engines leave non-daemon threads/processes behind
@@ -282,17 +286,18 @@ def run_offline_round(engine: str, job: dict[str, Any], workdir: str, timeout_s:
     return res
 
 
-def server_cmd(engine: str, model_dir: str, gguf: Optional[str], port: int, threads: int) -> list[str]:
+def server_cmd(engine: str, model_dir: str, gguf: Optional[str], port: int, threads: int,
+               dtype: str = "float32") -> list[str]:
     """The OpenAI-compatible server of an engine."""
     if engine in SGLITE_ENGINES:
         path = gguf if engine == "sglite-gguf" else model_dir
         return [sys.executable, "-m", "sglite.launch_server", "--model-path", path, "--port", str(port),
-                "--dtype", "float32", "--cpu-threads", str(threads), "--log-level", "warning",
+                "--dtype", dtype, "--cpu-threads", str(threads), "--log-level", "warning",
                 "--served-model-name", "default", "--disable-radix-cache"]  + (  # as vLLM's --no-enable-prefix-caching
                     ["--enable-torch-compile"] if engine != "sglite" else [])
     if engine == "vllm":
         return [engine_python(engine), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                "--port", str(port), "--dtype", "float32", "--no-enable-prefix-caching", "--served-model-name", "default"]
+                "--port", str(port), "--dtype", dtype, "--no-enable-prefix-caching", "--served-model-name", "default"]
     if engine == "llamacpp":
         return [engine_python(engine), "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
                 "--n_threads", str(threads), "--n_ctx", "4096", "--model_alias", "default"]
@@ -300,7 +305,8 @@ def server_cmd(engine: str, model_dir: str, gguf: Optional[str], port: int, thre
 
 
 def run_online_round(engine: str, model_dir: str, gguf: Optional[str], prompts: list[list[int]], concurrencies: list[int],
-                     output_len: int, threads: int, port: int, startup_s: float) -> Optional[list[dict[str, Any]]]:
+                     output_len: int, threads: int, port: int, startup_s: float,
+                     dtype: str = "float32") -> Optional[list[dict[str, Any]]]:
     """Start the engine's server, run the load generator at each concurrency, stop it."""
     import asyncio
 
@@ -309,7 +315,7 @@ def run_online_round(engine: str, model_dir: str, gguf: Optional[str], prompts: 
     from sglite.bench_serving import BenchRequest, run_benchmark
 
     log = open(os.path.join(tempfile.gettempdir(), f"bench_peers_{engine}_{port}.log"), "w")
-    proc = subprocess.Popen(server_cmd(engine, model_dir, gguf, port, threads), env=engine_env(engine, threads),
+    proc = subprocess.Popen(server_cmd(engine, model_dir, gguf, port, threads, dtype), env=engine_env(engine, threads),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -374,8 +380,8 @@ def measure_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> dict[st
     return {"read": nbytes / min(read) / 1e9, "copy": 2 * nbytes / min(copy) / 1e9}
 
 
-def decode_step_weight_bytes(model_dir: str) -> int:
-    """fp32 bytes a batch-1 decode step reads: every layer weight and the LM head (the embedding lookup reads
+def decode_step_weight_bytes(model_dir: str, dtype: str = "float32") -> int:
+    """Bytes a batch-1 decode step reads in ``dtype``: every layer weight and the LM head (the embedding lookup reads
     one row; a tied head is the embedding, read once)."""
     import torch
 
@@ -383,8 +389,9 @@ def decode_step_weight_bytes(model_dir: str) -> int:
     from sglite.srt.planner import estimate_weight_bytes_per_rank
 
     mc = ModelConfig.from_path(model_dir)
-    layers = estimate_weight_bytes_per_rank(mc, 1, 1, with_embeddings=False, dtype=torch.float32)
-    return layers + mc.vocab_size * mc.hidden_size * 4
+    torch_dtype = getattr(torch, dtype)
+    layers = estimate_weight_bytes_per_rank(mc, 1, 1, with_embeddings=False, dtype=torch_dtype)
+    return layers + mc.vocab_size * mc.hidden_size * torch_dtype.itemsize
 
 
 def gguf_step_bytes(gguf: str) -> int:
@@ -398,13 +405,14 @@ def gguf_step_bytes(gguf: str) -> int:
 
 
 def print_batch1_bandwidth(table: list[dict[str, Any]], engines: list[str], step_bytes: int,
-                           bandwidth: list[dict[str, float]], gguf_bytes: Optional[int] = None) -> dict[str, Any]:
+                           bandwidth: list[dict[str, float]], gguf_bytes: Optional[int] = None,
+                           dtype: str = "float32") -> dict[str, Any]:
     """Batch-1 decode as a share of the bandwidth measured in this run (the issue's goal: >= 85%)."""
     row = next((r for r in table if r["batch_size"] == 1), None)
     if row is None or not bandwidth:
         return {}
     read, copy = _median([b["read"] for b in bandwidth]), _median([b["copy"] for b in bandwidth])
-    print(f"\nBatch-1 decode bandwidth: {step_bytes / 1e9:.3f} GB of fp32 weights a step; this box before each "
+    print(f"\nBatch-1 decode bandwidth: {step_bytes / 1e9:.3f} GB of {dtype} weights a step; this box before each "
           f"round (median): gemv read {read:.1f} GB/s, copy {copy:.1f} GB/s (read + write)")
     out: dict[str, Any] = {"step_bytes": step_bytes, "read_gb_s": read, "copy_gb_s": copy}
     if gguf_bytes and "sglite-gguf" in engines:
@@ -457,6 +465,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--online-output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="compute threads for every engine (reported)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="weights and activations of every engine but llama.cpp (reported); bfloat16 where the CPU "
+                        "has bf16 dot products (AVX512_BF16, AMX)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians reported)")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "bench_peers"))
     p.add_argument("--port", type=int, default=31950)
@@ -482,13 +493,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ct2_dir = convert_ct2(model_dir, model_dir.rstrip("/") + "_ct2") if "ct2" in engines else None
     prompts = prompt_ids(model_dir, max(args.batch_sizes + args.concurrency), args.input_len, seed=0)
     load = os.getloadavg()
-    print(f"model {model_dir}  threads {args.threads}  input {args.input_len}  output {args.output_len}  "
+    print(f"model {model_dir}  dtype {args.dtype}  threads {args.threads}  input {args.input_len}  output {args.output_len}  "
           f"rounds {args.rounds}  load avg {load[0]:.2f}", flush=True)
-    report: dict[str, Any] = dict(model=args.model, threads=args.threads, input_len=args.input_len,
+    report: dict[str, Any] = dict(model=args.model, dtype=args.dtype, threads=args.threads, input_len=args.input_len,
                                   output_len=args.output_len, rounds=args.rounds, load_start=load)
     if "offline" in args.mode:
         job = dict(model_dir=model_dir, gguf=gguf, prompts=prompts, batch_sizes=args.batch_sizes,
-                   output_len=args.output_len, threads=args.threads, ct2_dir=ct2_dir)
+                   output_len=args.output_len, threads=args.threads, ct2_dir=ct2_dir, dtype=args.dtype)
         results: dict[str, list] = {e: [] for e in engines}
         bandwidth: list[dict[str, float]] = []
         for r in range(args.rounds):
@@ -499,7 +510,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 res = run_offline_round(e, job, args.work_dir, args.timeout)
                 if res is not None:
                     results[e].append(res)
-                    with open(os.path.join(args.work_dir, f"offline_{os.path.basename(model_dir.rstrip('/'))}_{e}_round{r + 1}.json"), "w") as f:
+                    with open(os.path.join(args.work_dir, f"offline_{os.path.basename(model_dir.rstrip('/'))}_{e}{'' if args.dtype == 'float32' else '_' + args.dtype}_round{r + 1}.json"), "w") as f:
                         json.dump(res, f)
         table = summarize_offline(results, args.batch_sizes)
         report["offline"] = table
@@ -511,8 +522,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 same = row.get(f"{e}_same_tokens", row.get(f"{ours}_same_tokens"))  # e may be the reference
                 print(f"     {ours}/{e}: decode {row[f'{ours}_decode_tok_s'] / row[f'{e}_decode_tok_s']:.2f}x  "
                       f"prefill {row[f'{e}_prefill_s'] / row[f'{ours}_prefill_s']:.2f}x  same {same}/{row['batch_size']}")
-        report["batch1_bandwidth"] = print_batch1_bandwidth(table, engines, decode_step_weight_bytes(model_dir), bandwidth,
-                                                           gguf_step_bytes(gguf) if gguf else None)
+        report["batch1_bandwidth"] = print_batch1_bandwidth(
+            table, engines, decode_step_weight_bytes(model_dir, args.dtype), bandwidth,
+            gguf_step_bytes(gguf) if gguf and args.dtype == "float32" else None, args.dtype)  # bf16 reads no blocks
     if "online" in args.mode:
         served = [e for e in engines if e in SERVED]
         online: dict[str, list] = {e: [] for e in served}
@@ -520,7 +532,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"online round {r + 1}/{args.rounds} (load {os.getloadavg()[0]:.2f})", flush=True)
             for e in (served if r % 2 == 0 else list(reversed(served))):
                 rows = run_online_round(e, model_dir, gguf, prompts, args.concurrency, args.online_output_len,
-                                        args.threads, args.port, args.server_startup_timeout)
+                                        args.threads, args.port, args.server_startup_timeout, args.dtype)
                 if rows:
                     online[e].append(rows)
         summary = []

@@ -1,4 +1,4 @@
-"""CPU fp32 GEMM for small batches on packed weights (linear layers and LM heads of target and draft).
+"""CPU GEMM for small batches on packed weights (linear layers and LM heads of target and draft), fp32 or bf16.
 
 At decode batch sizes (M = 2..64 rows) a BLAS ``sgemm`` spends much of each call re-blocking the weight
 into its micro-kernel layout; packing the weight once removes that. Two packs exist in torch's x86 CPU
@@ -10,6 +10,11 @@ is slower at M = 1 (a bandwidth-bound gemv), so it serves from ``PACKED_MIN_ROWS
 (``choose_packed_max_rows``; ``PACKED_MAX_ROWS`` where untimed), and ``F.linear`` on the column-major weight
 (layers/utils.new_weight_matrix) serves the rest. The price is a second copy of the weights in memory (vLLM's CPU
 build drops the original and pays at M = 1 instead). Both packs are M-independent, so one serves every batch.
+
+bf16 weights get oneDNN's pack only (MKL's is an sgemm pack), from one row (``packed_min_rows``): where the CPU has
+bf16 dot products (AVX512_BF16, AMX) its products run ~2x the fp32 rate, and unpacked ``F.linear`` re-blocks the
+weight on every call (docs/benchmarks.md, "bf16 on CPU, session 22"). The small-M and GGUF kernels compute in fp32
+and serve fp32 weights only (``fp32_kernels_serve``).
 
 At 1-16 rows sglite's small-M kernel (layers/cpu_small_m.py) may beat the pack (1 row: ``F.linear``), or not, by
 host and row count (benchmarks.md, "The small-M kernel chosen per row count"): the probe times it against that
@@ -55,6 +60,8 @@ _PACK_BATCH_HINT = 32
 # PACKED_MAX_ROWS (a prefill chunk, a mixed step, a verify of many requests) it depends on the host, so the probe
 # times it at PREFILL_PROBE_ROWS and may raise a weight's limit (PackedWeight.max_rows).
 PACKED_MIN_ROWS = 2
+# bf16: oneDNN's pack beats F.linear at one row too (the SmolLM2 step's weights: 20.2 against 32.7 ms at 1 row).
+BF16_PACKED_MIN_ROWS = 1
 PACKED_MAX_ROWS = 64
 PREFILL_PROBE_ROWS = (256, 1024)
 PREFILL_PROBE_BYTES = 8 << 20  # compute-bound at these counts: a small slice times it, and keeps start-up short
@@ -112,14 +119,24 @@ def onednn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def available_pack_layouts() -> tuple[str, ...]:
-    """The pack layouts this torch build offers, in PACK_LAYOUTS order."""
+def available_pack_layouts(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """The pack layouts this torch build offers for ``dtype`` weights, in PACK_LAYOUTS order (bf16: oneDNN's only)."""
+    if dtype == torch.bfloat16:
+        return ("onednn",) if onednn_packing_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
+    if dtype != torch.float32:
+        return ()
     have = {"onednn": onednn_packing_available(), "mkl": mkl_packing_available()}
     return tuple(name for name in PACK_LAYOUTS if have[name])
 
 
+def packed_min_rows(dtype: torch.dtype) -> int:
+    """The fewest rows a ``dtype`` pack serves: fp32 leaves a gemv to ``F.linear`` (it streams the plain weight faster),
+    bf16 packs serve one row too."""
+    return BF16_PACKED_MIN_ROWS if dtype == torch.bfloat16 else PACKED_MIN_ROWS
+
+
 def pack_weight(weight: torch.Tensor, layout: str) -> torch.Tensor:
-    """A packed copy of a ``[out, in]`` fp32 CPU weight in ``layout`` ("onednn" or "mkl")."""
+    """A packed copy of a ``[out, in]`` fp32 or bf16 CPU weight in ``layout`` ("onednn" or "mkl")."""
     w = weight.detach().contiguous()
     if layout == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
@@ -149,7 +166,7 @@ def _linear_with_pack(
     max_rows: int, gguf_blocks: Optional[torch.Tensor] = None, gguf_type: int = 0, gguf_rows: int = 0,
 ) -> torch.Tensor:
     """The GGUF blocks at the row counts set in ``gguf_rows``, else the small-M kernel at those set in ``small_m_rows``,
-    else the packed copy for ``PACKED_MIN_ROWS <= rows <= max_rows``, else ``F.linear`` on the weight."""
+    else the packed copy for ``packed_min_rows <= rows <= max_rows``, else ``F.linear`` on the weight."""
     rows = x.numel() // x.shape[-1]
     if gguf_blocks is not None and rows <= GGUF_MAX_ROWS and gguf_rows >> rows & 1:
         if (quantized := gguf_linear(x, gguf_blocks, gguf_type, bias)) is not None:
@@ -157,7 +174,7 @@ def _linear_with_pack(
     if rows <= SMALL_M_MAX_ROWS and small_m_rows >> rows & 1:
         if (small := small_m_linear(x, weight, bias)) is not None:
             return small
-    if not PACKED_MIN_ROWS <= rows <= max_rows:
+    if not packed_min_rows(weight.dtype) <= rows <= max_rows:
         return F.linear(x, weight, bias)
     return _pack_linear(x, packed, weight, bias)
 
@@ -192,14 +209,19 @@ torch.library.register_fake("sglite::packed_linear", _packed_linear_fake, lib=_L
 
 
 def packs_weights_of(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether weights on ``device`` in ``dtype`` get a CPU pack (and may reach the small-M kernel): fp32 on CPU."""
-    return device.type == "cpu" and dtype == torch.float32
+    """Whether weights on ``device`` in ``dtype`` get a CPU pack: fp32 on CPU, and bf16 where oneDNN packs it."""
+    return device.type == "cpu" and bool(available_pack_layouts(dtype))
+
+
+def fp32_kernels_serve(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the small-M and GGUF kernels serve weights on ``device`` in ``dtype`` (they compute in fp32)."""
+    return dtype == torch.float32 and packs_weights_of(device, dtype)
 
 
 def prepare_cpu_gemm(device: torch.device, dtype: torch.dtype, reads_gguf: bool = False) -> None:
     """Before a model's weights load: start building the small-M kernel (and, for a GGUF checkpoint, the GGUF
     kernel) when its linears will use it."""
-    if packs_weights_of(device, dtype):
+    if fp32_kernels_serve(device, dtype):
         start_building_small_m_kernel()  # a first start compiles it (~3-5 s) while the weights load
         if reads_gguf:
             start_building_gguf_kernel()
@@ -260,7 +282,7 @@ def choose_pack_layout(weights: list[torch.Tensor], layouts: tuple[str, ...]) ->
         layout = DEFAULT_PACK_LAYOUT if DEFAULT_PACK_LAYOUT in layouts else layouts[0]
         return PackChoice(layout=layout)
     packs = {name: [pack_weight(w, name) for w in probe] for name in layouts}
-    inputs = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in probe} for rows in PROBE_ROWS}
+    inputs = {rows: {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in probe} for rows in PROBE_ROWS}
     best = {name: float("inf") for name in layouts}
     for _ in range(PROBE_REPEATS):
         for name in layouts:  # interleaved, so a slow moment of the box hits both
@@ -283,7 +305,7 @@ def choose_small_m_rows(
     the first probed count >= r. Too few bytes to time past the caches: ALL_SMALL_M_ROWS. No kernel (switched off,
     no compiler): none. Returns the mask and {rows: (kernel ms, other ms)} (empty when untimed).
     """
-    if small_m_kernel() is None:
+    if small_m_kernel() is None or any(not fp32_kernels_serve(w.device, w.dtype) for w in weights):
         return 0, {}
     probe, size = _probe_prefix(weights)
     if size < PROBE_MIN_BYTES:
@@ -306,7 +328,7 @@ def _time_two_ways(
     best = {rows: [float("inf"), float("inf")] for rows in row_counts}
     for _ in range(repeats):
         for rows in row_counts:
-            xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
             for way, fn in enumerate((first, second)):
                 t0 = time.perf_counter()
                 for i, w in enumerate(weights):
@@ -366,17 +388,22 @@ def small_m_rows_where_faster(timed: dict[int, tuple[float, float]], low: int = 
 
 
 def pack_weights_for_cpu(model: nn.Module, layout: str = "auto", like: Optional[PackChoice] = None) -> Optional[PackChoice]:
-    """Give every opted-in fp32 CPU weight of ``model`` a packed copy, in ``layout`` or the probe's choice.
+    """Give every opted-in fp32 or bf16 CPU weight of ``model`` a packed copy, in ``layout`` or the probe's choice.
 
     ``like``: another model's choice on this host (a draft packs like its target: its layout and both timed row
     limits, no probe). Returns the choice (None when nothing was packed). A tied LM head gets its own packed copy
     too (the embedding keeps reading the original).
     """
-    layouts = available_pack_layouts()
     modules = [m for m in model.modules() if _packable(m)]
-    if not layouts or not modules:
+    if not modules:
         return None
+    dtypes = {m.weight.dtype for m in modules}
+    if len(dtypes) != 1:
+        raise ValueError(f"a model's packed weights share one dtype; got {sorted(map(str, dtypes))}")
+    layouts = available_pack_layouts(dtypes.pop())
     if like is not None:
+        if like.layout not in layouts:
+            raise ValueError(f"CPU pack layout {like.layout!r} (the target's) does not pack these weights (have {layouts})")
         choice = like
     elif layout == "auto":
         choice = choose_pack_layout([m.weight for m in modules], layouts)

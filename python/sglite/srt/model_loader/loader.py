@@ -10,7 +10,7 @@ from torch import nn
 
 from sglite.srt.configs.gguf import find_gguf_file
 from sglite.srt.configs.model_config import ModelConfig
-from sglite.srt.layers.cpu_gemm import packs_weights_of
+from sglite.srt.layers.cpu_gemm import fp32_kernels_serve
 from sglite.srt.model_loader.gguf_weights import attach_gguf_blocks, iterate_gguf
 from sglite.srt.model_loader.weight_utils import (
     WeightLoadingError,
@@ -56,7 +56,7 @@ def load_model(
             f"checkpoint {model_path!r} is missing {len(names)} tensor(s) the model needs: {names[:8]}"
             f"{' ...' if len(names) > 8 else ''}"
         )
-    if gguf_file is not None and packs_weights_of(device, dtype):
+    if gguf_file is not None and fp32_kernels_serve(device, dtype):
         attach_gguf_blocks(model, gguf_file, model_config)  # decode-sized CPU products read the blocks (cpu_gemm)
     return model.eval()
 

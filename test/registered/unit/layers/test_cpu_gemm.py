@@ -78,9 +78,53 @@ def test_packed_layers_match_f_linear_at_every_batch_size(layout):
         assert_same_dot_products(m.o(h), h, m.o.weight)
 
 
-def test_only_fp32_cpu_weights_are_packed():
-    m = ReplicatedLinear(16, 16, bias=False, params_dtype=torch.bfloat16)
+def test_fp16_cpu_weights_are_not_packed():
+    m = ReplicatedLinear(16, 16, bias=False, params_dtype=torch.float16)
     assert pack_weights_for_cpu(m) is None and m.packed_weight is None
+
+
+@pytest.mark.skipif(not available_pack_layouts(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+def test_bf16_weights_take_the_onednn_pack_from_one_row_and_match_f_linear(monkeypatch):
+    """bf16: oneDNN's pack only, serving one row too; the small-M and GGUF kernels (fp32) never see these weights."""
+    torch.manual_seed(0)
+    m = ReplicatedLinear(48, 80, bias=True, params_dtype=torch.bfloat16)
+    for p in m.parameters():
+        p.data.copy_(torch.randn_like(p))
+    assert available_pack_layouts(torch.bfloat16) == ("onednn",)
+    with pytest.raises(ValueError, match="'mkl'"):
+        pack_weights_for_cpu(m, "mkl")
+    choice = pack_weights_for_cpu(m)
+    assert choice.layout == "onednn" and choice.small_m_rows[cpu_gemm.orientation(m.weight)] == 0
+    assert m.packed_weight.tensor.dtype == torch.bfloat16 and m.packed_weight.small_m_rows == 0
+    packed_rows = rows_of_calls_to(monkeypatch, "_pack_linear")
+    small_m_rows = rows_of_calls_to(monkeypatch, "small_m_linear")
+    all_rows = (1, 2, 7, 32, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1)
+    for rows in all_rows:
+        x = torch.randn(rows, 48, dtype=torch.bfloat16)
+        y = m(x)
+        assert y.dtype == torch.bfloat16
+        # oneDNN accumulates in fp32 and rounds once: within one bf16 rounding of the fp32 product of the same inputs
+        ref = torch.nn.functional.linear(x.float(), m.weight.float(), m.bias.float())
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    assert packed_rows == [r for r in all_rows if r <= PACKED_MAX_ROWS] and small_m_rows == []
+
+
+def test_the_fp32_kernels_serve_fp32_cpu_weights_only():
+    cpu = torch.device("cpu")
+    assert cpu_gemm.fp32_kernels_serve(cpu, torch.float32)
+    assert not cpu_gemm.fp32_kernels_serve(cpu, torch.bfloat16)
+    assert not cpu_gemm.fp32_kernels_serve(torch.device("cuda"), torch.float32)
+    assert cpu_gemm.packed_min_rows(torch.float32) == cpu_gemm.PACKED_MIN_ROWS == 2
+    assert cpu_gemm.packed_min_rows(torch.bfloat16) == 1
+
+
+def test_a_model_packs_in_one_dtype_and_a_draft_only_in_a_layout_that_packs_it():
+    fp32, bf16 = ReplicatedLinear(16, 16, bias=False), ReplicatedLinear(16, 16, bias=False, params_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one dtype"):
+        pack_weights_for_cpu(nn.ModuleList([fp32, bf16]))
+    if "mkl" in available_pack_layouts() and available_pack_layouts(torch.bfloat16):
+        with pytest.raises(ValueError, match="'mkl'.*does not pack"):
+            pack_weights_for_cpu(bf16, like=cpu_gemm.PackChoice(layout="mkl"))
 
 
 def test_a_test_sized_model_takes_the_default_layout_without_timing():
