@@ -1,9 +1,9 @@
 """CPU time per decode step (and a torch.profiler op table) through the ModelRunner, and the GEMM layouts.
 
     python benchmark/profile_cpu_decode.py step --model-path DIR --batch-size 1 8 32 [--profile] [--no-pack | --pack-layout L]
-        [--enable-torch-compile]
+        [--enable-torch-compile] [--dtype bfloat16]
     python benchmark/profile_cpu_decode.py compiled --model-path DIR --batch-size 8 32 [--prefill | --mixed] [--prompt-len L]
-    python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024 [--copies 12]
+    python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024 [--copies 12] [--dtype bfloat16]
     python benchmark/profile_cpu_decode.py spec-disable --num-prompts 32 --output-len 48
     python benchmark/profile_cpu_decode.py spec-step [--enable-torch-compile]
 
@@ -14,7 +14,8 @@ graph against the eager forward on the same batches, alternated per step, with t
 and greedy flips. ``gemm``: the model's four layer weight shapes (``--copies`` distinct copies of each, so
 that a step's stream from memory is timed, not cached reads) and its LM head, one call each, best of 5
 interleaved rounds: ``F.linear`` on the column-major weight, MKL packed (``mkl::_mkl_linear``), oneDNN packed (``mkldnn::_linear_pointwise``),
-and up to 16 rows sglite's small-M kernel (``layers/cpu_small_m.py``).
+and up to 16 rows sglite's small-M kernel (``layers/cpu_small_m.py``); ``--dtype bfloat16``: ``F.linear`` and oneDNN's
+pack only, in bf16.
 ``spec-step``: where a DFLASH step's CPU time goes at batch 1 on the default pair (random-token prompts,
 greedy): the draft block, the target's verify, acceptance, the context K/V write, and the whole step.
 ``spec-disable``: an in-process Scheduler on the toy pair (or
@@ -86,7 +87,7 @@ def step(args: argparse.Namespace) -> None:
     elif args.pack_layout != "auto":
         from sglite.srt.layers.cpu_gemm import pack_weights_for_cpu
         mr.pack_weights_for_cpu = lambda model: pack_weights_for_cpu(model, args.pack_layout)
-    sa = ServerArgs(model_path=args.model_path, device="cpu", dtype="float32",
+    sa = ServerArgs(model_path=args.model_path, device="cpu", dtype=args.dtype,
                     enable_torch_compile=args.enable_torch_compile).validate()
     runner = mr.ModelRunner(sa)
     vocab = ModelConfig.from_path(args.model_path).vocab_size
@@ -209,14 +210,20 @@ def compiled(args: argparse.Namespace) -> None:
 
 def gemm(args: argparse.Namespace) -> None:
     """Per row count: the model's layer weight shapes (``--copies`` distinct copies of each) and its LM head, per layout."""
+    dtype = getattr(torch, args.dtype)
+    fp32 = dtype == torch.float32
+    if args.gguf and not fp32:
+        raise SystemExit("--gguf: the GGUF kernel computes in fp32 (drop --dtype bfloat16)")
+
     def layouts(w: torch.Tensor) -> dict:
-        return dict(cm=w.t().contiguous().t(), mkl=torch.ops.mkl._mkl_reorder_linear_weight(w, 32),
-                    dnn=torch.ops.mkldnn._reorder_linear_weight(w, 32), ph=w)
+        w = w.to(dtype)
+        mkl = {"mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 32)} if fp32 else {}  # an sgemm pack
+        return dict(cm=w.t().contiguous().t(), dnn=torch.ops.mkldnn._reorder_linear_weight(w, 32), ph=w, **mkl)
 
     from sglite.srt.layers.cpu_gguf_linear import GGUF_MAX_ROWS, gguf_kernel_available, gguf_linear
     from sglite.srt.layers.cpu_small_m import SMALL_M_MAX_ROWS, small_m_kernel
 
-    small_m = small_m_kernel()  # layers/cpu_small_m.py, for rows 1..16 (None where it cannot be built)
+    small_m = small_m_kernel() if fp32 else None  # layers/cpu_small_m.py, fp32 rows 1..16 (None: cannot be built)
     gguf_types = dict(zip(("layers", "head"), args.gguf)) if args.gguf and gguf_kernel_available() else {}
     *layer_shapes, head_shape = SHAPES[args.shapes]
 
@@ -236,10 +243,11 @@ def gemm(args: argparse.Namespace) -> None:
     groups = {"layers": [(k, weight(n, k, "layers")) for _ in range(args.copies) for k, n in layer_shapes],
               "head": [(head_shape[0], weight(head_shape[1], head_shape[0], "head"))]}
     for m in args.rows:
-        xs = {k: torch.randn(m, k) for k, _ in layer_shapes + [head_shape]}
+        xs = {k: torch.randn(m, k, dtype=dtype) for k, _ in layer_shapes + [head_shape]}
         cells = []
         for group, weights in groups.items():
-            best = {"column-major": [], "mkl-packed": [], "onednn-packed": []}
+            best = {"column-major": [], "mkl-packed": [], "onednn-packed": []} if fp32 else {"column-major": [],
+                                                                                            "onednn-packed": []}
             if small_m is not None and m <= SMALL_M_MAX_ROWS:
                 best["small-m"] = []
             if group in gguf_types and m <= GGUF_MAX_ROWS:
@@ -367,6 +375,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--enable-torch-compile", action="store_true", help="decode through the compiled graph")
     s.add_argument("--pack-layout", choices=("auto", "onednn", "mkl"), default="auto",
                    help="cpu_gemm's packed copies in this layout (auto: the start-up probe's choice)")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's dtype (--dtype)")
     c = sub.add_parser("compiled")
     c.add_argument("--model-path", required=True)
     c.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])
@@ -383,6 +392,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     g.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256, 1024])
     g.add_argument("--copies", type=int, default=1,
                    help="distinct copies of each layer shape: 1 = cache-warm, the layer count = streamed as a step")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and inputs")
     t = sub.add_parser("spec-step")
     t.add_argument("--model-path", default=None, help="target; default: the default model's GGUF")
     t.add_argument("--draft-model-path", default=None, help="default: the default draft")

@@ -400,7 +400,8 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto", like: Optional[
     dtypes = {m.weight.dtype for m in modules}
     if len(dtypes) != 1:
         raise ValueError(f"a model's packed weights share one dtype; got {sorted(map(str, dtypes))}")
-    layouts = available_pack_layouts(dtypes.pop())
+    dtype = dtypes.pop()
+    layouts = available_pack_layouts(dtype)
     if like is not None:
         if like.layout not in layouts:
             raise ValueError(f"CPU pack layout {like.layout!r} (the target's) does not pack these weights (have {layouts})")
@@ -410,7 +411,7 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto", like: Optional[
     elif layout in layouts:
         choice = PackChoice(layout=layout)
     else:
-        raise ValueError(f"CPU pack layout {layout!r} is not available in this torch build (have {layouts})")
+        raise ValueError(f"CPU pack layout {layout!r} is not available for {dtype} weights here (have {layouts})")
     packs = [pack_weight(m.weight, choice.layout) for m in modules]
     if like is None:
         choice = _time_row_limits(choice, modules, packs)

@@ -115,10 +115,17 @@ def compiled_extend_pays(new_tokens: list[int], max_keys: int) -> bool:
     return prompt_tokens * (max_keys - PROMPT_TOKEN_BREAK_EVEN_KEYS) <= DECODE_ROW_KEY_CREDIT * decode_rows
 
 
+# K/V dtypes whose rows the compiled attention hands the fp32 kernel: fp32 in place, bf16 widened per forward.
+KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def attention_kernel_serves(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Whether the C++ paged attention kernel serves every attention layer of ``model`` (its dtype, head geometry)."""
+    """Whether the C++ paged attention kernel serves every attention layer of ``model`` (its dtype, head geometry): it
+    computes in fp32, and a bf16 model's K/V rows are widened to fp32 first (``CompiledDecodeAttention``)."""
+    if dtype not in KERNEL_KV_DTYPES:
+        return False
     layers = [m for m in model.modules() if isinstance(m, RadixAttention)]
-    served = (kernel_serves(dtype, a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim) for a in layers)
+    served = (kernel_serves(torch.float32, a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim) for a in layers)
     return bool(layers) and all(served)
 
 

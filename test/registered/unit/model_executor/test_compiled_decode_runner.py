@@ -139,6 +139,26 @@ def test_prefills_and_mixed_steps_run_through_the_token_graph(pair_dirs, rank0, 
     assert runner.compiled_decode.can_run(fb)
 
 
+@needs_cxx
+def test_a_bf16_model_runs_every_prefill_compiled_through_the_kernel(pair_dirs, rank0):
+    """--dtype bfloat16: bf16 K/V rows widened for the kernel, so prefills and mixed steps of any length run compiled
+    (no cost model) and agree with eager within bf16 rounding, with no compile on live traffic."""
+    runner = ModelRunner(_args(pair_dirs[0], dtype="bfloat16"))
+    assert runner.token_to_kv_pool.get_key_buffer(0).dtype == torch.bfloat16
+    assert runner.compiled_decode.attention.use_kernel
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    rows = runner.req_to_token_pool.alloc(4)
+    for case in ([(0, 9)] * 3, [(0, 7), (0, 3), (0, 12)], [(0, 6), (15, 1), (22, 1), (4, 1)], [(0, 60)]):
+        reqs = [(rows[r], prefix, [(7 * r + i) % 250 + 3 for i in range(width)]) for r, (prefix, width) in enumerate(case)]
+        fb = runner.build_forward_batch(ForwardMode.EXTEND, reqs)
+        assert runner.compiled_decode.can_run(fb)
+        got = runner.forward(fb).next_token_logits.float()
+        ref = _eager(runner, fb).next_token_logits.float()
+        # bf16 activations: the compiled graph rounds in other places than eager does
+        torch.testing.assert_close(got, ref, rtol=0, atol=0.05 * ref.abs().max().item())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compiled_extend_pays_by_the_measured_cost_model():
     # Prompts alone: up to the break-even key count.
     assert compiled_extend_pays([32] * 8, 32) and compiled_extend_pays([PROMPT_TOKEN_BREAK_EVEN_KEYS], 48)

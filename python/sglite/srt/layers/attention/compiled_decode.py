@@ -90,7 +90,7 @@ def paged_causal_attention(
 
 class CompiledDecodeAttention:
     """The attention backend a compiled forward's model calls: K/V write, then paged attention (the C++ kernel
-    ``sglite::paged_attention`` for forwards of several new tokens a request when ``use_kernel``, else
+    ``sglite::paged_attention`` for forwards of several new tokens a request when ``use_kernel``, on fp32 rows, else
     ``paged_causal_attention``)."""
 
     def __init__(self, token_to_kv_pool: Any, use_kernel: bool) -> None:
@@ -122,10 +122,26 @@ class CompiledDecodeAttention:
             # for each new token, and a prompt's tokens each re-read their request's keys. A decode step reads each
             # request's keys once either way, and there Inductor's fused loop matched or beat the kernel
             # (docs/benchmarks.md, "A paged attention kernel for prefills, session 20").
-            o = torch.ops.sglite.paged_attention(
-                q, k_cache, v_cache, slots.kv_indices, slots.seq_lens, slots.token_rows, slots.token_key_index,
-                layer.scaling, layer.sliding_window or 0,
-            )
+            o = self._kernel_attention(q, k_cache, v_cache, slots, layer)
         else:
             o = paged_causal_attention(q, k_cache, v_cache, slots, layer.scaling, layer.sliding_window)
         return o.reshape(tokens, layer.num_heads * layer.v_head_dim)
+
+    @staticmethod
+    def _kernel_attention(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: DecodeSlots, layer: "RadixAttention"
+    ) -> torch.Tensor:
+        """``sglite::paged_attention`` over the pool's fp32 rows in place; a bf16 pool's rows of this forward are first
+        widened into one fp32 copy (the batch's keys, a few per prompt token: exact, and cheap beside the attention
+        the kernel saves; docs/benchmarks.md, "bf16 on CPU, session 22")."""
+        kv_indices = slots.kv_indices
+        if k_cache.dtype != torch.float32:
+            requests, keys = kv_indices.shape
+            k_cache = k_cache[kv_indices].reshape(requests * keys, *k_cache.shape[1:]).float()
+            v_cache = v_cache[kv_indices].reshape(requests * keys, *v_cache.shape[1:]).float()
+            kv_indices = torch.arange(requests * keys, device=q.device).reshape(requests, keys)
+        o = torch.ops.sglite.paged_attention(
+            q.float(), k_cache, v_cache, kv_indices, slots.seq_lens, slots.token_rows, slots.token_key_index,
+            layer.scaling, layer.sliding_window or 0,
+        )
+        return o.to(q.dtype)

@@ -39,7 +39,7 @@ def test_the_kernel_builds_and_serves_fp32_heads_it_was_built_for():
     assert kernel_serves(torch.float32, 9, 3, 64, 64)  # SmolLM2
     assert kernel_serves(torch.float32, 16, 4, 64, 64) and kernel_serves(torch.float32, 32, 8, 128, 128)
     assert kernel_serves(torch.float32, 4, 2, 32, 16)  # V heads of another size
-    assert not kernel_serves(torch.bfloat16, 9, 3, 64, 64)  # fp32 only
+    assert not kernel_serves(torch.bfloat16, 9, 3, 64, 64)  # fp32 only (a bf16 pool's rows are widened first)
     assert not kernel_serves(torch.float32, 9, 3, 48, 48)  # no instantiation for 48
     assert not kernel_serves(torch.float32, 9, 2, 64, 64)  # heads not a multiple of the KV heads
     assert not kernel_serves(torch.float32, 2 * MAX_GROUP, 1, 64, 64)
@@ -119,6 +119,28 @@ def test_the_kernel_runs_inside_a_compiled_graph():
     batch = TracedDecodeBatch(attn_backend=backend, slots=decode_slots(fb))
     compiled = torch.compile(lambda q, k, v: backend.forward(q, k, v, case.layer, batch), fullgraph=True)
     torch.testing.assert_close(compiled(case.q, case.k, case.v), dense_reference(case, causal=True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_bf16_pool_reaches_the_kernel_as_widened_rows_and_equals_the_torch_formulation(compiled):
+    """bf16 K/V: the forward's rows widened to fp32 (exactly), the kernel's fp32 attention, one rounding to bf16 at
+    the end, as the torch formulation computes it; the pool is left as it was, bar the new tokens' K/V."""
+    case = build_case(ForwardMode.EXTEND, [0, 7, 33, 2], [17, 1, 9, 1], page_size=16, num_kv_heads=3, group=3,
+                      head_dim=64, dtype=torch.bfloat16, seed=11)
+    fb = case.forward_batch
+    slots = decode_slots(fb)
+    reference = CompiledDecodeAttention(fb.token_to_kv_pool, use_kernel=False)
+    batch = TracedDecodeBatch(attn_backend=reference, slots=slots)
+    want = reference.forward(case.q, case.k, case.v, case.layer, batch)  # writes the new tokens' K/V
+    pool_after_write = [b.clone() for b in fb.token_to_kv_pool.get_kv_buffer(case.layer.layer_id)]
+    backend = CompiledDecodeAttention(fb.token_to_kv_pool, use_kernel=True)
+    run = lambda q, k, v: backend.forward(q, k, v, case.layer, TracedDecodeBatch(attn_backend=backend, slots=slots))
+    got = (torch.compile(run, fullgraph=True) if compiled else run)(case.q, case.k, case.v)
+    assert got.dtype == torch.bfloat16
+    # Both attend in fp32 from the same bf16 rows; their sums differ in order only, so at most one bf16 ulp apart.
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+    for buf, before in zip(fb.token_to_kv_pool.get_kv_buffer(case.layer.layer_id), pool_after_write):
+        assert buf.dtype == torch.bfloat16 and torch.equal(buf, before)
 
 
 def test_the_kernel_refuses_tokens_that_are_not_request_major():
