@@ -57,6 +57,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         tok = {(r["concurrency"], r["variant"]): r["tok_s"] for r in rows}
         _bars(next(ax_iter), [f"conc {c}" for c in concs], {v: [tok[c, v] for c in concs] for v in variants},
               "output tok/s", "DFLASH vs no draft (default pair, held-out prompts, CPU)")
+    dtype = f", {peers['dtype']}" if peers and peers.get("dtype", "float32") != "float32" else ""  # --dtype bfloat16
     for panel in peer_panels:  # (x key, x label, metric suffix, y label, title) per bench_peers table
         xkey, xlabel, suffix, ylabel, what = {
             "offline": ("batch_size", "batch", "_decode_tok_s", "decode tok/s", "offline decode"),
@@ -65,7 +66,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows = peers[panel]
         engines = [k[: -len(suffix)] for k in rows[0] if k.endswith(suffix)]
         _bars(next(ax_iter), [f"{xlabel} {r[xkey]}" for r in rows], {e: [r[e + suffix] for r in rows] for e in engines},
-              ylabel, f"{what}, {peers['model']}, {peers['threads']} thread(s)")
+              ylabel, f"{what}, {peers['model']}{dtype}, {peers['threads']} thread(s)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     fig.savefig(args.out, dpi=110)

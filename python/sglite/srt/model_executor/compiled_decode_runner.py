@@ -14,6 +14,7 @@ target's TARGET_VERIFY blocks. Its attention is the C++ kernel ``sglite::paged_a
 model (``attention_kernel_serves``); otherwise the torch formulation, which reads every key once per prompt token, so
 then a prefill or mixed step runs compiled only where the cost model ``compiled_extend_pays`` says the graph is faster
 (short prompts; decode rows outweighing long ones), and only while its fp32 scores stay within ``MAX_ATTENTION_SCORES``.
+A bf16 model's forwards reach the kernel through an fp32 copy of their K/V rows, within ``MAX_WIDENED_KV_ELEMENTS``.
 The model body only (embedding, layers, final norm; the LM head and logits stay eager). Other forwards (the
 draft's block, larger batches) run eagerly, as SGLang does above its captured batch sizes. A 32-token prompt at
 batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and 32; a mixed step (one 32-token prompt beside 7
@@ -60,6 +61,10 @@ WARM_UP_NEW_TOKENS = [2, 1]
 # Without the C++ kernel, the token graph's attention materialises its fp32 scores, [new tokens, keys, query heads]: a
 # forward past this many (64 MB; e.g. a verify block on a long context) runs eagerly, where SDPA tiles them.
 MAX_ATTENTION_SCORES = 1 << 24
+# With the kernel on a bf16 pool, the forward's K/V rows are widened into one fp32 copy, [requests, longest sequence, KV
+# heads, head dim + V head dim]: a forward past this many elements (64 MB, as the scores budget; long contexts at a
+# large batch) runs eagerly.
+MAX_WIDENED_KV_ELEMENTS = 1 << 24
 # Without the C++ kernel, the token graph's attention reads every key of the longest sequence for each new token, with
 # none of eager SDPA's reuse across one prompt's queries; it pays where the graph's fused element-wise ops save more.
 # Measured on SmolLM2 (docs/benchmarks.md, "Mixed steps compiled, session 19"): a prompt token breaks even at ~48
@@ -220,13 +225,21 @@ class CompiledDecodeRunner:
             return False
         if self.attention.use_kernel:
             # It materialises no scores, and compiled was at least level with eager at every prompt length measured
-            # (1-1,024 tokens).
-            return True
+            # (1-1,024 tokens); a bf16 pool's rows are widened first, within budget.
+            return self._widened_kv_fits(forward_batch)
         if mode == ForwardMode.EXTEND and not compiled_extend_pays(
             forward_batch.extend_seq_lens_cpu, max(forward_batch.seq_lens_cpu)
         ):
             return False
         return self._scores_fit(forward_batch)
+
+    def _widened_kv_fits(self, forward_batch: ForwardBatch) -> bool:
+        """Whether the fp32 copy of the forward's K/V rows the kernel reads (none for an fp32 pool) stays within budget."""
+        k_cache, v_cache = self.attention.token_to_kv_pool.get_kv_buffer(0)
+        if k_cache.dtype == torch.float32:
+            return True
+        row = k_cache.shape[1] * (k_cache.shape[2] + v_cache.shape[2])
+        return forward_batch.batch_size * max(forward_batch.seq_lens_cpu) * row <= MAX_WIDENED_KV_ELEMENTS
 
     def _scores_fit(self, forward_batch: ForwardBatch) -> bool:
         """Whether the torch formulation's fp32 scores, [new tokens, longest sequence, query heads], stay within

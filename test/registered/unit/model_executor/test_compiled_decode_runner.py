@@ -128,6 +128,7 @@ def test_prefills_and_mixed_steps_run_through_the_token_graph(pair_dirs, rank0, 
         _compiled_equals_eager(runner, long_prompt)  # no cost model, no scores budget: the kernel tiles nothing
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
         monkeypatch.setattr(cdr, "MAX_ATTENTION_SCORES", 0)
+        monkeypatch.setattr(cdr, "MAX_WIDENED_KV_ELEMENTS", 0)  # an fp32 pool is read in place
         assert runner.compiled_decode.can_run(long_prompt)
         return
     assert not runner.compiled_decode.can_run(long_prompt)  # 60 keys a prompt token, no decode rows: eager
@@ -140,9 +141,12 @@ def test_prefills_and_mixed_steps_run_through_the_token_graph(pair_dirs, rank0, 
 
 
 @needs_cxx
-def test_a_bf16_model_runs_every_prefill_compiled_through_the_kernel(pair_dirs, rank0):
+def test_a_bf16_model_runs_every_prefill_compiled_through_the_kernel(pair_dirs, rank0, monkeypatch):
     """--dtype bfloat16: bf16 K/V rows widened for the kernel, so prefills and mixed steps of any length run compiled
-    (no cost model) and agree with eager within bf16 rounding, with no compile on live traffic."""
+    (no cost model) and agree with eager within bf16 rounding, with no compile on live traffic; a forward whose widened
+    rows would pass the budget runs eagerly."""
+    import sglite.srt.model_executor.compiled_decode_runner as cdr
+
     runner = ModelRunner(_args(pair_dirs[0], dtype="bfloat16"))
     assert runner.token_to_kv_pool.get_key_buffer(0).dtype == torch.bfloat16
     assert runner.compiled_decode.attention.use_kernel
@@ -157,6 +161,12 @@ def test_a_bf16_model_runs_every_prefill_compiled_through_the_kernel(pair_dirs, 
         # bf16 activations: the compiled graph rounds in other places than eager does
         torch.testing.assert_close(got, ref, rtol=0, atol=0.05 * ref.abs().max().item())
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    k, v = runner.token_to_kv_pool.get_kv_buffer(0)
+    widened = 60 * k.shape[1] * (k.shape[2] + v.shape[2])  # the last case: one request, 60 keys
+    monkeypatch.setattr(cdr, "MAX_WIDENED_KV_ELEMENTS", widened)
+    assert runner.compiled_decode.can_run(fb)
+    monkeypatch.setattr(cdr, "MAX_WIDENED_KV_ELEMENTS", widened - 1)
+    assert not runner.compiled_decode.can_run(fb)
 
 
 def test_compiled_extend_pays_by_the_measured_cost_model():
