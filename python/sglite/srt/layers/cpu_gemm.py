@@ -60,7 +60,8 @@ _PACK_BATCH_HINT = 32
 # PACKED_MAX_ROWS (a prefill chunk, a mixed step, a verify of many requests) it depends on the host, so the probe
 # times it at PREFILL_PROBE_ROWS and may raise a weight's limit (PackedWeight.max_rows).
 PACKED_MIN_ROWS = 2
-# bf16: oneDNN's pack beats F.linear at one row too (the SmolLM2 step's weights: 20.2 against 32.7 ms at 1 row).
+# bf16: oneDNN's pack beats F.linear at one row too (a SmolLM2 step's weights: 21.4 against 36.3 ms; docs/benchmarks.md,
+# "bf16 on CPU, session 22").
 BF16_PACKED_MIN_ROWS = 1
 PACKED_MAX_ROWS = 64
 PREFILL_PROBE_ROWS = (256, 1024)
