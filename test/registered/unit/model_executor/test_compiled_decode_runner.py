@@ -28,6 +28,15 @@ LOGITS_ATOL = 1e-4  # fused fp32 arithmetic in another order: not bit-identical 
 needs_cxx = pytest.mark.skipif(cpp_compiler() is None, reason="Inductor's CPU backend needs g++ (or $CXX)")
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo_cache():
+    """Each test's runners start from an empty Dynamo cache: the model body's code object is shared by every runner
+    of the process, and this module builds more kinds of runner (kernel or not, captures, dtypes) than the
+    per-code-object recompile limit of 8 that one server process never approaches (2 graphs)."""
+    torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("compiled_pair")
