@@ -246,8 +246,9 @@ def gemm(args: argparse.Namespace) -> None:
         xs = {k: torch.randn(m, k, dtype=dtype) for k, _ in layer_shapes + [head_shape]}
         cells = []
         for group, weights in groups.items():
-            best = {"column-major": [], "mkl-packed": [], "onednn-packed": []} if fp32 else {"column-major": [],
-                                                                                            "onednn-packed": []}
+            best = {"column-major": [], "mkl-packed": [], "onednn-packed": []}
+            if not fp32:
+                del best["mkl-packed"]  # an sgemm pack
             if small_m is not None and m <= SMALL_M_MAX_ROWS:
                 best["small-m"] = []
             if group in gguf_types and m <= GGUF_MAX_ROWS:

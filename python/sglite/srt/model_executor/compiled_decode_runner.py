@@ -189,6 +189,12 @@ class CompiledDecodeRunner:
             "the C++ paged attention kernel" if self.attention.use_kernel else "the torch formulation (no C++ kernel "
             "for this dtype or head size, or SGLITE_CPU_PAGED_ATTENTION_KERNEL=0): long prompts run eagerly",
         )
+        # fp32 elements a key adds to the copy the kernel reads of a bf16 pool (0: an fp32 pool is read in place); the
+        # pool's geometry is fixed, so ``can_run`` does not look it up per forward.
+        k_cache, v_cache = model_runner.token_to_kv_pool.get_kv_buffer(0)
+        self._widened_elements_per_key = (
+            0 if k_cache.dtype == torch.float32 else k_cache.shape[1] * (k_cache.shape[2] + v_cache.shape[2])
+        )
         self.capture = self._decode_capture_layers()
         # Forwards of several new tokens a request run through a second graph of the same function, the token graph:
         # prefills, mixed steps and a DFLASH-family target's verify blocks (its prefill, draft-free and verify
@@ -235,11 +241,8 @@ class CompiledDecodeRunner:
 
     def _widened_kv_fits(self, forward_batch: ForwardBatch) -> bool:
         """Whether the fp32 copy of the forward's K/V rows the kernel reads (none for an fp32 pool) stays within budget."""
-        k_cache, v_cache = self.attention.token_to_kv_pool.get_kv_buffer(0)
-        if k_cache.dtype == torch.float32:
-            return True
-        row = k_cache.shape[1] * (k_cache.shape[2] + v_cache.shape[2])
-        return forward_batch.batch_size * max(forward_batch.seq_lens_cpu) * row <= MAX_WIDENED_KV_ELEMENTS
+        keys = forward_batch.batch_size * max(forward_batch.seq_lens_cpu)
+        return keys * self._widened_elements_per_key <= MAX_WIDENED_KV_ELEMENTS
 
     def _scores_fit(self, forward_batch: ForwardBatch) -> bool:
         """Whether the torch formulation's fp32 scores, [new tokens, longest sequence, query heads], stay within
