@@ -7,11 +7,15 @@ a list, so a policy change can be judged in seconds before it is A/B'd on a real
 - batch 1, fixed step times: each case prints the true gain of always drafting, and the policy's mean over seeds;
 - traffic: ``bench_spec``'s shape (a 1-request warm-up, then requests of up to 64 tokens at a concurrency, most
   running to the limit), with step times that grow with the batch as measured on the default pair (compiled,
-  2-core CPU, session 12): a drafted step costs 1.6 plain steps at batch 1 and 4.3 at batch 32, so the
-  batch-size buckets a wave falls through each decide for themselves.
+  2-core CPU, sessions 21-22, a 3-token verify): a drafted step costs 1.9 plain steps at batch 1, 2.8 at batch 8
+  and ~3.1 at batch 32, so the batch-size buckets a wave falls through each decide for themselves.
+
+A probe of a draft-free bucket is a shadow step (plain step + draft block, its drafts scored at once here) unless
+``--no-shadow-probes`` (every probe a drafted step, the policy before session 23).
 
     python benchmark/simulate_adaptive.py                      # the shipped AdaptiveSpecConfig
     python benchmark/simulate_adaptive.py --accept-window 16 --z 2
+    python benchmark/simulate_adaptive.py --no-shadow-probes
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 
-from sglite.srt.speculative.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation  # noqa: E402
+from sglite.srt.speculative.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation, StepKind  # noqa: E402
 
 # name -> phases of (per-step tokens to draw from, steps); "mixed" changes regime mid-run
 CASES: dict[str, list[tuple[list[int], int]]] = {
@@ -43,8 +47,27 @@ class SimResult:
     speed_vs_plain: float
 
 
+def run_step(policy: AdaptiveSpeculation, b: int, commits: list[int], t_draft: float, t_plain: float,
+             t_block: float) -> tuple[bool, float, list[int]]:
+    """One decode step of b requests as the policy plans it: (drafted?, seconds, tokens each request commits).
+
+    ``commits`` are what a verify would commit per request this step; a shadow step commits one token each and
+    reports ``commits`` as its scored drafts (here at once; the worker scores them a step or two later).
+    """
+    kind = policy.next_step(b)
+    if kind is StepKind.DRAFTED:
+        policy.record(b, True, t_draft, sum(commits) / b)
+        return True, t_draft, commits
+    if kind is StepKind.SHADOW:
+        policy.record_shadow(b)
+        policy.record_shadow_accept(b, sum(commits) / b, b)
+        return False, t_plain + t_block, [1] * b
+    policy.record(b, False, t_plain)
+    return False, t_plain, [1] * b
+
+
 def simulate(config: AdaptiveSpecConfig, phases: list[tuple[list[int], int]], seed: int,
-             t_draft: float, t_plain: float) -> SimResult:
+             t_draft: float, t_plain: float, t_block: float = 0.027) -> SimResult:
     """Run the policy over the phases at batch 1."""
     rng = random.Random(seed)
     policy = AdaptiveSpeculation(config)
@@ -52,31 +75,30 @@ def simulate(config: AdaptiveSpecConfig, phases: list[tuple[list[int], int]], se
     seconds = tokens = 0.0
     for choices, n in phases:
         for _ in range(n):
-            if policy.should_draft(1):
-                k = rng.choice(choices)
-                policy.record(1, True, t_draft, float(k))
-                drafted += 1
-                seconds += t_draft
-                tokens += k
-            else:
-                policy.record(1, False, t_plain)
-                seconds += t_plain
-                tokens += 1
+            was_drafted, t, commits = run_step(policy, 1, [rng.choice(choices)], t_draft, t_plain, t_block)
+            drafted += was_drafted
+            seconds += t
+            tokens += commits[0]
             steps += 1
     return SimResult(drafted / steps, tokens / seconds * t_plain)
 
 
-# Seconds of a decode step of b requests on the default pair (compiled, 2-core CPU; session 12's server log:
-# batch 1 0.0436 / 0.0694 s, batch 32 0.1147 / 0.4988 s). A drafted step verifies W = 5 tokens a request, so its
-# GEMMs have about 5b rows: it costs about a plain step of 5b requests plus the draft block.
+# Seconds of a decode step of b requests on the default pair (compiled, 2-core CPU, a 3-token verify; session 21's
+# server log and session 22's profile: batch 1 0.018 / 0.034 s, batch 8 0.046 / 0.127 s; the draft block 0.0048 s
+# at batch 1). A drafted step verifies W = 3 tokens a request, so its GEMMs have about 3b rows.
 def plain_step_seconds(b: int) -> float:
     """A plain decode step of b requests."""
-    return 0.0413 + 0.0023 * b
+    return 0.014 + 0.004 * b
 
 
 def drafted_step_seconds(b: int) -> float:
-    """A drafted decode step (draft block + verify of 5 tokens a request) of b requests."""
-    return 0.0557 + 0.0138 * b
+    """A drafted decode step (draft block + verify of 3 tokens a request) of b requests."""
+    return 0.0207 + 0.0133 * b
+
+
+def draft_block_seconds(b: int) -> float:
+    """The draft block alone (what a shadow step adds to a plain one) for b requests."""
+    return 0.004 + 0.0008 * b
 
 
 # name -> (requests, concurrency); each request's committed tokens per drafted step are drawn from TRAFFIC_ACCEPT
@@ -85,7 +107,7 @@ TRAFFIC: dict[str, tuple[int, int]] = {
     "conc 8, 32 requests": (32, 8),
     "conc 32, one wave": (32, 32),
 }
-TRAFFIC_ACCEPT = [1, 1, 1, 2, 2, 2, 3, 4]  # mean 2.0 (the default draft: ~1.8-2.1 on held-out chat)
+TRAFFIC_ACCEPT = [1, 1, 1, 2, 2, 3]  # mean 1.67 (the default draft, 3-token verify: 1.6-1.8 on held-out chat)
 
 
 def _run_waves(lengths: list[int], concurrency: int, step) -> None:
@@ -103,8 +125,9 @@ def _run_waves(lengths: list[int], concurrency: int, step) -> None:
 
 
 def simulate_traffic(config: AdaptiveSpecConfig, num_requests: int, concurrency: int, seed: int,
-                     max_new_tokens: int = 64) -> SimResult:
-    """A warm-up request, then num_requests at a concurrency, all decode steps, against never drafting.
+                     max_new_tokens: int = 64, accept: list[int] = TRAFFIC_ACCEPT) -> SimResult:
+    """A warm-up request, then num_requests at a concurrency, all decode steps, against never drafting; each
+    request's verify would commit a token count drawn from ``accept``.
 
     A request runs to max_new_tokens, or (one in four) stops early at a seeded length; the time of the same token
     counts never drafting is the baseline. Prefill is left out (both paths pay it alike).
@@ -118,15 +141,10 @@ def simulate_traffic(config: AdaptiveSpecConfig, num_requests: int, concurrency:
 
     def policy_step(running: list[int]) -> list[int]:
         b = len(running)
-        drafted = policy.should_draft(b)
-        if drafted:
-            commits = [min(left, rng.choice(TRAFFIC_ACCEPT)) for left in running]
-            t = drafted_step_seconds(b)
-            policy.record(b, True, t, sum(commits) / b)
-        else:
-            commits = [1] * b
-            t = plain_step_seconds(b)
-            policy.record(b, False, t)
+        verify_commits = [min(left, rng.choice(accept)) for left in running]
+        drafted, t, commits = run_step(
+            policy, b, verify_commits, drafted_step_seconds(b), plain_step_seconds(b), draft_block_seconds(b)
+        )
         kinds.append(drafted)
         seconds[0] += t
         return commits
@@ -149,14 +167,17 @@ def main() -> None:
     p.add_argument("--margin", type=float, default=defaults.margin)
     p.add_argument("--t-draft", type=float, default=0.16, help="seconds of a drafted step (1.6 plain steps: this CPU)")
     p.add_argument("--t-plain", type=float, default=0.10)
+    p.add_argument("--t-block", type=float, default=0.027, help="seconds of the draft block alone (a shadow step's extra)")
+    p.add_argument("--no-shadow-probes", action="store_true", help="probe a draft-free bucket with drafted steps")
     p.add_argument("--seeds", type=int, default=40)
     args = p.parse_args()
-    config = dataclasses.replace(defaults, accept_window=args.accept_window, z=args.z, margin=args.margin)
-    print(f"{config}\nt_draft {args.t_draft} s, t_plain {args.t_plain} s, {args.seeds} seeds")
+    config = dataclasses.replace(defaults, accept_window=args.accept_window, z=args.z, margin=args.margin,
+                                 shadow_probes=not args.no_shadow_probes)
+    print(f"{config}\nt_draft {args.t_draft} s, t_plain {args.t_plain} s, t_block {args.t_block} s, {args.seeds} seeds")
     print(f"{'case':>18} {'always drafting':>16} {'policy':>8} {'drafted':>8}")
     for name, phases in CASES.items():
         always = sum(sum(c) / len(c) * n for c, n in phases) / sum(n * args.t_draft for _, n in phases) * args.t_plain
-        runs = [simulate(config, phases, s, args.t_draft, args.t_plain) for s in range(args.seeds)]
+        runs = [simulate(config, phases, s, args.t_draft, args.t_plain, args.t_block) for s in range(args.seeds)]
         speed = sum(r.speed_vs_plain for r in runs) / len(runs)
         share = sum(r.drafted_share for r in runs) / len(runs)
         print(f"{name:>18} {always:>15.2f}x {speed:>7.3f}x {100 * share:>7.0f}%")

@@ -31,7 +31,11 @@ rows than the whole buffer writes its own at once. So the waiting rows always be
 requests hold, and nothing else reads or writes those slots' draft K/V in the meantime.
 With ``--speculative-adaptive`` the same draft-free step is chosen by a measured cost model instead
 (``speculative/adaptive.py``: per batch-size bucket, drafted vs plain tokens per second); the batch-size
-cap, when set, still wins.
+cap, when set, still wins. The cost model probes a draft-free bucket with a *shadow* step: W slots a request as a
+drafted step, the draft block in them, then the target decodes ``c`` alone in the first slot (a draft-free step,
+its features deferred; the other slots are freed as after a block that accepted nothing). Its drafts wait in
+``ShadowProbe`` until the request's next tokens are out, then ``shadow_committed_tokens`` scores them: the accept
+length a verify would have found, for the price of the draft block rather than a verify.
 """
 
 from __future__ import annotations
@@ -50,12 +54,14 @@ from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.mem_cache.memory_pool import DeferredContextRows
 from sglite.srt.mem_cache.pool_plan import MemoryPlanError
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from sglite.srt.speculative.adaptive import AdaptiveSpeculation
+from sglite.srt.managers.schedule_batch import Req
+from sglite.srt.speculative.adaptive import AdaptiveSpeculation, StepKind
 from sglite.srt.speculative.dflash_utils import (
     BlockVerifyResult,
     committed_tokens,
     greedy_verify,
     sampling_verify,
+    shadow_committed_tokens,
     verify_probs,
 )
 from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -75,6 +81,29 @@ class DFlashStepStats:
     accept_lens: list[int]  # drafts accepted per request (0 .. n)
     draft_ids: list[list[int]]  # the n drafts per request
     verified_drafts: int = 0  # drafts the target verified per request this step (n, or fewer when capped)
+
+
+# Decode steps a shadow probe waits for its requests' next tokens (a retracted request may not produce them soon);
+# requests still unscored then are left out of its sample.
+SHADOW_PROBE_MAX_AGE_STEPS = 16
+
+
+@dataclass
+class ShadowProbe:
+    """A shadow step's drafts, waiting to be scored against the tokens the target produces after it."""
+
+    batch_size: int  # the step's: its bucket judges the result
+    reqs: list[Req]
+    starts: list[int]  # each request's output length at the step: drafts[i][j] meets output_ids[starts[i] + j]
+    drafts: list[list[int]]  # the drafts a verify would have scored (capped under cap-accept)
+    age: int = 0  # decode steps since the shadow step
+
+    def scored(self) -> list[Optional[int]]:
+        """Per request, the tokens a verify would have committed (None while its next tokens are not all out)."""
+        return [
+            shadow_committed_tokens(d, r.output_ids[s : s + len(d) + 1], r.finished)
+            for r, s, d in zip(self.reqs, self.starts, self.drafts)
+        ]
 
 
 def create_dflash_worker(
@@ -186,6 +215,9 @@ class DFlashWorker(BaseModelWorker):
         # Draft-free steps' (features, positions, slots) whose draft context K/V is not written yet (module
         # docstring): the planned buffer the draft's pools were built with.
         self.deferred_context = self._planned_deferred_context(draft_runner.kv_pools.deferred_context)
+        # The cost model's plan for the next decode step, when it is a shadow step: the batch size it was planned at.
+        self._shadow_batch_size: Optional[int] = None
+        self.shadow_probes: list[ShadowProbe] = []  # shadow steps whose drafts are not scored yet
 
     # ------------------------------------------------------------------ seam
     # inference_mode, as TpModelWorker: no version counters or view tracking on the ~1100 small ops of a
@@ -228,8 +260,16 @@ class DFlashWorker(BaseModelWorker):
         """
         if self.prefill_only:
             return self.num_decode_tokens_per_req
-        drafts = not self._capped(batch_size) and (self.adaptive is None or self.adaptive.should_draft(batch_size))
-        return self.num_decode_tokens_per_req if drafts else 1
+        self._shadow_batch_size = None
+        if self._capped(batch_size):
+            return 1
+        if self.adaptive is None:
+            return self.num_decode_tokens_per_req
+        self._score_shadow_probes()
+        kind = self.adaptive.next_step(batch_size)
+        if kind is StepKind.SHADOW:
+            self._shadow_batch_size = batch_size
+        return 1 if kind is StepKind.PLAIN else self.num_decode_tokens_per_req
 
     @torch.inference_mode()
     def forward_decode(self, batch: ScheduleBatch) -> list[list[int]]:
@@ -253,6 +293,10 @@ class DFlashWorker(BaseModelWorker):
         drafted = width > 1
         if drafted:  # outside the timed step: the catch-up is the deferred cost of earlier draft-free steps
             self.flush_deferred_kv()
+        shadow_of, self._shadow_batch_size = self._shadow_batch_size, None
+        if drafted and shadow_of is not None:
+            self.adaptive.record_shadow(shadow_of)
+            return self._decode_shadow(batch, slots, shadow_of)
         if self.adaptive is None or self._capped(bs):
             return self._decode_with_draft(batch, slots) if drafted else self._decode_without_draft(batch, slots[:, 0])
         # The whole step, host to host: both paths end in a .tolist() that waits for the device.
@@ -284,23 +328,32 @@ class DFlashWorker(BaseModelWorker):
         self.draft_model.write_context_kv(*buf.pending(), self.draft_runner.token_to_kv_pool)
         buf.clear()
 
-    def _decode_with_draft(self, batch: ScheduleBatch, slots: torch.Tensor) -> list[list[int]]:
-        """Draft block, target verify, accept, committed features as draft context K/V; 1..n+1 tokens each."""
-        bs, block = batch.batch_size, self.block_size
-        rows = batch.req_pool_indices
-        anchors = list(batch.input_ids)
-
-        # 1. Draft block: [c, MASK x (B-1)] non-causal over context KV in the first B slots (temporary K/V).
-        draft_items = [(r, p, [c] + [self.mask_token_id] * (block - 1)) for r, p, c in zip(rows, batch.prefix_lens, anchors)]
+    def _draft_block(self, batch: ScheduleBatch, slots: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The draft block [c, MASK x (B-1)], non-causal over context K/V, in the first B slots (temporary K/V):
+        the n drafts per request [bs, n] and how many of them a verify scores (n, or the confidence cap)."""
+        block = self.block_size
+        draft_items = [
+            (r, p, [c] + [self.mask_token_id] * (block - 1))
+            for r, p, c in zip(batch.req_pool_indices, batch.prefix_lens, batch.input_ids)
+        ]
         draft_fb = self._forward_batch(
             ForwardMode.DRAFT_BLOCK, draft_items, self.draft_runner, slots[:, :block].reshape(-1)
         )
         self._clamp_block_positions(draft_fb)
         proposal = self.draft_model.propose_drafts(self.draft_runner.forward(draft_fb), draft_fb, block)
-        draft_ids = proposal.ids  # [bs, n]
+        verified = self._cap_width(proposal.confidence_logits) if self.ragged_verify_mode == "cap-accept" else proposal.ids.shape[1]
+        return proposal.ids, verified
+
+    def _decode_with_draft(self, batch: ScheduleBatch, slots: torch.Tensor) -> list[list[int]]:
+        """Draft block, target verify, accept, committed features as draft context K/V; 1..n+1 tokens each."""
+        bs = batch.batch_size
+        rows = batch.req_pool_indices
+        anchors = list(batch.input_ids)
+
+        # 1. Draft block.
+        draft_ids, verified = self._draft_block(batch, slots)
 
         # 2. Target verify of [c, d1 .. d_m] (m = n, or the confidence cap) in the same slots, capturing features.
-        verified = self._cap_width(proposal.confidence_logits) if self.ragged_verify_mode == "cap-accept" else draft_ids.shape[1]
         w = verified + 1
         block_ids = torch.cat(
             [torch.tensor(anchors, dtype=torch.int64, device=self.device)[:, None], draft_ids[:, :verified]], dim=1
@@ -328,11 +381,14 @@ class DFlashWorker(BaseModelWorker):
             self._returned_token_logprobs(batch, verify_out.next_token_logits, out, w)
         return out
 
-    def _decode_without_draft(self, batch: ScheduleBatch, slots: torch.Tensor) -> list[list[int]]:
+    def _decode_without_draft(
+        self, batch: ScheduleBatch, slots: torch.Tensor, draft_head_ran: bool = False
+    ) -> list[list[int]]:
         """Target-only decode of each newest token in its first block slot; its features wait for draft context K/V."""
         items = [(r, p, [c]) for r, p, c in zip(batch.req_pool_indices, batch.prefix_lens, batch.input_ids)]
         fb = self._forward_batch(ForwardMode.DECODE, items, self.target_runner, slots, capture=self.capture_layers)
-        self._draft_head_idle()  # DP attention: peers that draft this step exchange draft-head rows first
+        if not draft_head_ran:  # a shadow step's draft block already made this step's draft-head exchange
+            self._draft_head_idle()  # DP attention: peers that draft this step exchange draft-head rows first
         out = self.target_runner.forward(fb)
         self._defer_context(out, fb.positions, slots)
         next_ids = self.target_runner.sample(out.next_token_logits, self._sampling_info(batch))
@@ -341,6 +397,31 @@ class DFlashWorker(BaseModelWorker):
         bs = batch.batch_size
         self.last_step = DFlashStepStats(accept_lens=[0] * bs, draft_ids=[[] for _ in range(bs)], verified_drafts=0)
         return [[int(t)] for t in next_ids.tolist()]
+
+    def _decode_shadow(self, batch: ScheduleBatch, slots: torch.Tensor, planned_batch_size: int) -> list[list[int]]:
+        """A probe of a draft-free bucket: the draft block in the W slots, then a draft-free step in the first; one
+        token each, the drafts kept to be scored against the tokens that follow (``_score_shadow_probes``)."""
+        draft_ids, verified = self._draft_block(batch, slots)
+        out = self._decode_without_draft(batch, slots[:, 0], draft_head_ran=True)
+        self.shadow_probes.append(ShadowProbe(
+            planned_batch_size, list(batch.reqs), [len(r.output_ids) for r in batch.reqs],
+            draft_ids[:, :verified].tolist(),
+        ))
+        return out
+
+    def _score_shadow_probes(self) -> None:
+        """Tell the cost model what each shadow step's drafts would have committed, once its requests' tokens are out."""
+        waiting = []
+        for probe in self.shadow_probes:
+            probe.age += 1
+            scored = probe.scored()
+            if None in scored and probe.age <= SHADOW_PROBE_MAX_AGE_STEPS:
+                waiting.append(probe)
+                continue
+            known = [n for n in scored if n is not None]
+            if known:
+                self.adaptive.record_shadow_accept(probe.batch_size, sum(known) / len(known), len(known))
+        self.shadow_probes = waiting
 
     def _cap_width(self, confidence_logits: torch.Tensor) -> int:
         """Drafts to verify under cap-accept: the longest prefix whose predicted survival stays >= the threshold.

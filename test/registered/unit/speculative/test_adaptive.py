@@ -1,5 +1,7 @@
 """AdaptiveSpeculation, the measured cost model of --speculative-adaptive, fed synthetic step timings."""
 
+import dataclasses
+import logging
 import math
 import random
 
@@ -7,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglite.srt.speculative.adaptive import AcceptEstimate, AdaptiveSpecConfig, AdaptiveSpeculation, bucket_of
+from sglite.srt.speculative.adaptive import (
+    AcceptEstimate,
+    AdaptiveSpecConfig,
+    AdaptiveSpeculation,
+    StepKind,
+    bucket_of,
+)
 
 SUITE = "unit-cpu"
 EST_TIME = 1
@@ -15,14 +23,21 @@ EST_TIME = 1
 CFG = AdaptiveSpecConfig(ema_alpha=0.25, warmup_steps=3, margin=0.05, probe_interval=4, max_probe_interval=16)
 
 
-def drive(policy, bs, steps, t_draft, tokens, t_plain):
-    """Run `steps` decode steps whose drafted/plain costs are fixed; return the drafted? of each."""
-    kinds = []
-    for _ in range(steps):
-        drafted = policy.should_draft(bs)
+def step(policy, bs, t_draft, tokens, t_plain):
+    """One decode step whose drafted/plain costs are fixed; a shadow step's drafts are scored at once. Its kind."""
+    kind = policy.next_step(bs)
+    if kind is StepKind.SHADOW:
+        policy.record_shadow(bs)
+        policy.record_shadow_accept(bs, tokens, bs)
+    else:
+        drafted = kind is StepKind.DRAFTED
         policy.record(bs, drafted, t_draft if drafted else t_plain, tokens if drafted else 1.0)
-        kinds.append(drafted)
-    return kinds
+    return kind
+
+
+def drive(policy, bs, steps, t_draft, tokens, t_plain):
+    """Run `steps` decode steps; return whether each ran the draft block (a drafted or a shadow step)."""
+    return [step(policy, bs, t_draft, tokens, t_plain) is not StepKind.PLAIN for _ in range(steps)]
 
 
 def gaps(kinds, value):
@@ -90,7 +105,7 @@ def test_buckets_are_powers_of_two_and_measure_when_neighbours_do_not_settle_the
     assert p.buckets[1].drafting is True and p.buckets[8].drafting is False
     # Bucket 4 is new; its smaller neighbour drafts and its bigger one does not, which bounds nothing: it
     # measures, drafting first.
-    assert p.should_draft(1) and p.should_draft(3)
+    assert p.next_step(1) is StepKind.DRAFTED and p.next_step(3) is StepKind.DRAFTED
     assert p.buckets[4].drafting is None and p.buckets[4].prior is None
 
 
@@ -164,11 +179,11 @@ def test_a_choice_from_neighbours_lasts_only_while_they_settle_it():
     p = AdaptiveSpeculation(CFG)
     drive(p, 1, 60, t_draft=0.15, tokens=1.3, t_plain=0.10)
     drive(p, 8, 5, t_draft=0.45, tokens=1.3, t_plain=0.15)
-    assert p.buckets[8].prior.sources == (1,) and not p.should_draft(8)
+    assert p.buckets[8].prior.sources == (1,) and p.next_step(8) is StepKind.PLAIN
     while p.buckets[1].drafting is False:
         drive(p, 1, 1, t_draft=0.15, tokens=6.0, t_plain=0.10)
     b = p.buckets[8]
-    assert p.should_draft(8) and b.drafting is None and b.prior is None
+    assert p.next_step(8) is StepKind.DRAFTED and b.drafting is None and b.prior is None
     assert b.t_plain == pytest.approx(0.15)  # what it measured is kept: only the drafted warm-up is left
     kinds = drive(p, 8, 4, t_draft=0.45, tokens=6.0, t_plain=0.15)
     assert kinds[:3] == [True, True, True] and b.drafting is True
@@ -179,7 +194,7 @@ def test_an_unsettled_bucket_does_not_settle_others():
     p = AdaptiveSpeculation(CFG)
     drive(p, 2, 4, t_draft=0.15, tokens=1.3, t_plain=0.10)
     assert p.buckets[2].drafting is None
-    assert p.should_draft(4) and p.buckets[4].prior is None and p.buckets[4].drafting is None
+    assert p.next_step(4) is StepKind.DRAFTED and p.buckets[4].prior is None and p.buckets[4].drafting is None
 
 
 def test_a_clear_gain_decides_after_one_step_of_each_kind():
@@ -213,14 +228,14 @@ def test_a_bucket_between_a_paying_and_a_losing_one_interpolates_its_cost():
     drive(p, 1, 6, t_draft=0.16, tokens=2.0, t_plain=0.10)
     drive(p, 32, 2, t_draft=0.435, tokens=2.0, t_plain=0.10)
     assert p.buckets[1].drafting is True and p.buckets[32].drafting is False
-    assert not p.should_draft(12)  # bucket 16: 1.6 + 4/5 x 2.75 = 3.8 plain steps, gain 0.53
-    assert not p.should_draft(8)  # bucket 8: 3.25, gain 0.62
+    assert p.next_step(12) is StepKind.PLAIN  # bucket 16: 1.6 + 4/5 x 2.75 = 3.8 plain steps, gain 0.53
+    assert p.next_step(8) is StepKind.PLAIN  # bucket 8: 3.25, gain 0.62
     prior = p.buckets[8].prior
     assert prior.sources == (1, 32) and prior.ratio == pytest.approx(1.6 + 3 / 5 * 2.75) and not prior.drafting
     assert prior.interval == p.buckets[32].interval
-    assert not p.should_draft(4)  # bucket 4: 2.7, gain 0.74: just outside the band (0.79)
+    assert p.next_step(4) is StepKind.PLAIN  # bucket 4: 2.7, gain 0.74: just outside the band (0.79)
     # Bucket 2: 2.15, gain 0.93 is within clear_band of the threshold: it measures, drafting first.
-    assert p.should_draft(2) and p.buckets[2].drafting is None and p.buckets[2].prior is None
+    assert p.next_step(2) is StepKind.DRAFTED and p.buckets[2].drafting is None and p.buckets[2].prior is None
 
 
 def test_the_accept_estimate_is_a_running_mean_then_an_ema():
@@ -273,8 +288,7 @@ def test_probes_keep_their_pace_while_the_gain_is_within_its_error_of_the_thresh
     noisy, steady = AdaptiveSpeculation(CFG), AdaptiveSpeculation(CFG)
     for _ in range(300):
         for p, tokens in ((noisy, 1.0 + noisy.accept.count % 2), (steady, 1.5)):
-            drafted = p.should_draft(1)
-            p.record(1, drafted, 0.15 if drafted else 0.10, tokens if drafted else 1.0)
+            step(p, 1, 0.15, tokens, 0.10)
     assert noisy.buckets[1].drafting is False and steady.buckets[1].drafting is False
     assert noisy.buckets[1].interval == CFG.probe_interval
     assert steady.buckets[1].interval == CFG.max_probe_interval
@@ -285,8 +299,7 @@ def test_above_batch_one_a_losing_probe_always_doubles_the_interval():
     draft of the test above backs off like a steady one."""
     p = AdaptiveSpeculation(CFG)
     for i in range(300):
-        drafted = p.should_draft(2)
-        p.record(2, drafted, 0.15 if drafted else 0.10, (1.0 + i % 2) if drafted else 1.0)
+        step(p, 2, 0.15, 1.0 + i % 2, 0.10)
     assert p.buckets[2].drafting is False and p.buckets[2].interval == CFG.max_probe_interval
 
 
@@ -353,6 +366,58 @@ def test_drafting_off_reads_the_choice_without_changing_it():
     assert q.buckets[1].drafting is True and not q.drafting_off(1)
 
 
+def test_a_draft_free_bucket_probes_with_shadow_steps_that_time_nothing():
+    """Once a bucket has timed drafting and turned it off, its probes are shadow steps (the drafts scored against
+    the target's own next tokens): the accept length is sampled for the price of the draft block, neither step-time
+    EMA moves, and they come exactly where drafted probes would."""
+    shadow, drafted = AdaptiveSpeculation(CFG), AdaptiveSpeculation(dataclasses.replace(CFG, shadow_probes=False))
+    a = [step(shadow, 8, 0.45, 1.5, 0.15) for _ in range(250)]
+    b = [step(drafted, 8, 0.45, 1.5, 0.15) for _ in range(250)]
+    assert a[:6] == b[:6] == [StepKind.DRAFTED, StepKind.PLAIN] * 3  # measuring: drafted steps time drafting
+    assert shadow.buckets[8].drafting is False and drafted.buckets[8].drafting is False
+    probes = [i for i, k in enumerate(a) if i >= 6 and k is not StepKind.PLAIN]
+    assert probes == [i for i, k in enumerate(b) if i >= 6 and k is not StepKind.PLAIN] and len(probes) >= 3
+    assert all(a[i] is StepKind.SHADOW and b[i] is StepKind.DRAFTED for i in probes)
+    bucket = shadow.buckets[8]
+    assert bucket.t_draft == pytest.approx(0.45) and bucket.t_plain == pytest.approx(0.15)
+    assert shadow.accept.count == 8 * (3 + len(probes))  # every shadow step's requests fed the estimate
+
+
+def test_a_shadow_probe_that_finds_the_draft_paying_switches_it_on(caplog):
+    """A reply turns repetitive while drafting is off: the shadow probes' scores lift the accept length until the
+    bucket's own timings say drafting pays, and it switches on (probing plain steps again from the shortest interval)."""
+    p = AdaptiveSpeculation(CFG)
+    for _ in range(40):
+        step(p, 8, 0.45, 1.5, 0.15)
+    assert p.buckets[8].drafting is False
+    caplog.set_level(logging.INFO, logger="sglite.srt.speculative.adaptive")
+    kinds = []
+    while p.buckets[8].drafting is False and len(kinds) < 600:
+        kinds.append(step(p, 8, 0.45, 5.0, 0.15))  # 5 tokens in 3 plain steps' time
+    assert p.buckets[8].drafting is True and kinds[-1] is StepKind.SHADOW
+    assert set(kinds) == {StepKind.PLAIN, StepKind.SHADOW}  # no drafted step until it pays
+    assert p.buckets[8].interval == CFG.probe_interval and p.next_step(8) is StepKind.DRAFTED
+    assert any("switched (shadow probe): drafting on" in r.getMessage() for r in caplog.records)
+
+
+def test_a_bucket_that_must_time_drafting_probes_with_drafted_steps():
+    """Shadow steps do not time drafting, so a bucket whose verdict rests on no drafted step of its own (a choice
+    from neighbours), or on one early step no longer clear at today's accept length, probes with a drafted step."""
+    p = AdaptiveSpeculation(CFG)
+    drive(p, 1, 60, t_draft=0.15, tokens=1.3, t_plain=0.10)
+    kinds = [step(p, 8, 0.45, 1.3, 0.15) for _ in range(60)]  # bucket 8 starts off from bucket 1's bound
+    assert p.buckets[8].prior is not None and StepKind.DRAFTED in kinds and StepKind.SHADOW not in kinds
+
+    q = AdaptiveSpeculation(CFG)
+    assert [step(q, 32, 0.435, 2.0, 0.10) for _ in range(2)] == [StepKind.DRAFTED, StepKind.PLAIN]
+    b = q.buckets[32]
+    assert b.drafting is False and not b.warm()  # off after one drafted step: gain 0.46, clear
+    b.since_probe = 10**6  # the next step is a probe
+    assert q.next_step(32) is StepKind.SHADOW
+    q.accept.add(4.0, 10**6)  # the accept length doubled: gain 0.92, not clear from one drafted step
+    assert q.next_step(32) is StepKind.DRAFTED
+
+
 # Traffic in phases: a batch size between 1 and 64, an accept length (1 to 5 tokens per request) and a length in
 # steps. A drafted step costs more plain steps the bigger the batch (1.45 at 1, ~11 at 64); step times jitter.
 TRAFFIC = st.lists(st.tuples(st.integers(1, 64), st.floats(1.0, 5.0), st.integers(1, 80)), min_size=1, max_size=12)
@@ -367,9 +432,7 @@ def replay(phases, seed):
     for bs, tokens, n in phases:
         for _ in range(n):
             t_plain = (0.04 + 0.002 * bs) * rng.uniform(0.9, 1.1)
-            drafted = p.should_draft(bs)
-            p.record(bs, drafted, t_plain * (1.3 + 0.15 * bs) if drafted else t_plain, tokens if drafted else 1.0)
-            kinds.append(drafted)
+            kinds.append(step(p, bs, t_plain * (1.3 + 0.15 * bs), tokens, t_plain))
             b = p.buckets[bucket_of(bs)]
             if b.warm():  # a warm bucket's choice is its own timings' verdict, as of its latest step
                 assert b.drafting == (p.gain(bs) >= threshold) and b.prior is None
@@ -393,6 +456,12 @@ def test_bad_input_is_a_clear_error():
             p.record(1, False, seconds)
     with pytest.raises(ValueError, match="token per request"):
         p.record(1, True, 0.1, 0.5)
+    with pytest.raises(ValueError, match="probes a draft-free bucket"):
+        p.record_shadow(1)  # bucket 1 is measuring
+    with pytest.raises(ValueError, match=">= 1 request"):
+        p.record_shadow_accept(1, 2.0, 0)
+    with pytest.raises(ValueError, match="token per request"):
+        p.record_shadow_accept(1, 0.5, 1)
     for kw, match in (
         (dict(ema_alpha=0.0), "ema_alpha"),
         (dict(warmup_steps=0), "warmup_steps"),

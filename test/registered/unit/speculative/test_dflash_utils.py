@@ -6,6 +6,7 @@ from sglite.srt.speculative.dflash_utils import (
     committed_tokens,
     greedy_verify,
     sampling_verify,
+    shadow_committed_tokens,
     verify_probs,
 )
 from sglite.srt.layers.sampler import Sampler
@@ -78,3 +79,22 @@ def test_sampling_verify_is_lossless():
     second = torch.tensor([t[1] for t in toks if t[0] == drafts[0]])
     assert chi_square_pvalue(torch.bincount(second, minlength=vocab), p1) > 1e-3
     assert set(r.accept_lens.tolist()) == {0, 1, 2}
+
+
+def test_shadow_scores_are_what_a_verify_would_commit():
+    """Drafts [5, 6, 7] against the tokens the target produced without them: the matching prefix plus the bonus,
+    never past a stop; None while the verdict needs tokens not produced yet."""
+    drafts = [5, 6, 7]
+    cases = [
+        ([9], False, 1),  # the first draft is wrong: the bonus only
+        ([5, 9], False, 2),
+        ([5, 6, 7], False, 4),  # every draft right: a verify adds its bonus, whatever comes next
+        ([5, 6, 7, 8], True, 4),
+        ([5, 6, 7], True, 3),  # the request stopped after the third token: a verify would stop there too
+        ([5], True, 1),
+        ([5, 6], True, 2),
+        ([5], False, None),  # the second draft is not judged yet
+        ([], False, None),
+    ]
+    for produced, done, want in cases:
+        assert shadow_committed_tokens(drafts, produced, done) == want, (produced, done)

@@ -672,20 +672,31 @@ def test_disable_by_batch_size_crosses_both_ways_and_stays_lossless(trained, mon
 
 
 class ScriptedPolicy:
-    """Stands in for AdaptiveSpeculation: a fixed drafted / draft-free pattern, and the steps reported back."""
+    """Stands in for AdaptiveSpeculation: a fixed pattern of step kinds (True: drafted, False: draft-free, or a
+    StepKind), and the steps and shadow scores reported back."""
 
     def __init__(self, pattern, off=False):
         self.pattern, self.asked, self.records, self.off = pattern, 0, [], off
+        self.shadows, self.shadow_scores = [], []
 
     def drafting_off(self, batch_size):
         return self.off
 
-    def should_draft(self, batch_size):
+    def next_step(self, batch_size):
+        from sglite.srt.speculative.adaptive import StepKind
+
         self.asked += 1
-        return self.pattern[(self.asked - 1) % len(self.pattern)]
+        kind = self.pattern[(self.asked - 1) % len(self.pattern)]
+        return kind if isinstance(kind, StepKind) else StepKind.DRAFTED if kind else StepKind.PLAIN
 
     def record(self, batch_size, drafted, seconds, tokens_per_req):
         self.records.append((batch_size, drafted, seconds, tokens_per_req))
+
+    def record_shadow(self, batch_size):
+        self.shadows.append(batch_size)
+
+    def record_shadow_accept(self, batch_size, tokens_per_req, num_requests):
+        self.shadow_scores.append((batch_size, tokens_per_req, num_requests))
 
 
 def test_adaptive_steps_through_both_paths_stay_lossless(trained, caplog):
@@ -727,6 +738,61 @@ def test_adaptive_steps_through_both_paths_stay_lossless(trained, caplog):
     assert verify_total == sum(bs for bs, *_ in drafted) and accepted_total > verify_total
     decode = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
     assert decode and all(re.search(r", accept len: \d+\.\d\d, draft-free steps: 3/5, gen throughput", m) for m in decode), decode
+
+
+def test_a_shadow_step_scores_its_drafts_as_a_verify_would_and_stays_lossless(trained):
+    """A shadow step (the cost model's cheap probe of a draft-free bucket) runs the draft block, returns the
+    target's one token like a draft-free step (W slots allocated, W - 1 freed, K/V complete for a later block), and
+    scores its drafts once the request's next tokens are out: at every position where an always-drafting run
+    verified a block, the score equals the tokens that verify committed."""
+    from sglite.srt.speculative.adaptive import StepKind
+
+    target_dir, tr, target, _ = trained
+    prompts = [tr.prompts[0], tr.prompts[2]]
+    with spec_scheduler(target_dir, tr.draft_dir) as (sched, worker):  # always drafting
+        verified = {}  # (request, output length before the step) -> tokens the verify committed
+        decode = worker.forward_decode
+
+        def spy(batch):
+            before = [(r.rid, len(r.output_ids)) for r in batch.reqs]
+            out = decode(batch)
+            verified.update({key: len(toks) for key, toks in zip(before, out)})
+            return out
+
+        worker.forward_decode = spy
+        generate(sched, prompts, [greedy(24), greedy(24)])
+    # Shadow steps throughout (then a drafted step, which reads the context the shadow steps deferred).
+    pattern = [StepKind.SHADOW] * 20 + [True]
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True) as (sched, worker):
+        policy = worker.adaptive = ScriptedPolicy(pattern)
+        widths, scored = [], {}
+        decode, score = worker.forward_decode, worker._score_shadow_probes
+
+        def spy_decode(batch):
+            widths.append(set(batch.extend_lens))
+            return decode(batch)
+
+        def spy_score():
+            for probe in worker.shadow_probes:  # what each waiting probe's requests would score now
+                for r, start, n in zip(probe.reqs, probe.starts, probe.scored()):
+                    if n is not None:
+                        scored[(r.rid, start)] = n
+            score()
+
+        worker.forward_decode, worker._score_shadow_probes = spy_decode, spy_score
+        run = generate(sched, prompts, [greedy(24), greedy(24)])
+        # The W - 1 unkept slots of every shadow step came back: after a cache flush every slot is free.
+        assert sched.flush_cache().success and sched.allocator.available_size() == sched.initial_free_slots
+    for i, p in enumerate(prompts):
+        assert run.ids[f"r{i}"] == target_greedy(target, p, 24)
+    assert policy.shadows and all(w == {worker.num_decode_tokens_per_req} for w in widths)
+    # A shadow step commits one token per request; it counts as draft-free.
+    assert sched.spec_drafted_steps == sum(1 for k in policy.records if k[1]) > 0
+    same = [(key, n, verified[key]) for key, n in scored.items() if key in verified]
+    assert len(same) >= 4 and all(n == v for _, n, v in same), same
+    assert max(n for _, n, _ in same) > 1  # the trained draft's shadows find accepted drafts
+    # What the policy heard: per shadow step, the mean over its requests, counting the requests scored.
+    assert policy.shadow_scores and all(bs >= n >= 1 and t >= 1.0 for bs, t, n in policy.shadow_scores)
 
 
 def test_adaptive_policy_measures_and_stays_lossless(trained):
