@@ -59,7 +59,7 @@ def run_step(policy: AdaptiveSpeculation, b: int, commits: list[int], t_draft: f
         policy.record(b, True, t_draft, sum(commits) / b)
         return True, t_draft, commits
     if kind is StepKind.SHADOW:
-        policy.record_shadow(b)
+        policy.record_shadow(b, t_plain + t_block)
         policy.record_shadow_accept(b, sum(commits) / b, b)
         return False, t_plain + t_block, [1] * b
     policy.record(b, False, t_plain)

@@ -31,7 +31,11 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   accept length a verify would have found (greedy: the same prefix match; sampled: drafts are point masses, so
   a draft is accepted with the target's probability of sampling it). It costs a plain step plus the draft block
   instead of a verify of W tokens a request (at batch 8 on a CPU a drafted probe cost ~2.8 plain steps and
-  committed ~1.8 tokens). It does not re-time the drafted step: the cost ratio stays the last measured one. A probe that confirms the current choice
+  committed ~1.8 tokens). It does not re-time the drafted step: the cost ratio stays the last measured one. Each
+  kind of probe has a price, the time it takes beyond plain steps committing the same tokens: ``t_shadow - t_plain``
+  (the draft block) against ``t_draft - L * t_plain``; near break-even the drafted probe is the cheaper (at batch 1
+  on a CPU the draft block is ~0.27 plain steps, a drafted step's loss ~0), so a bucket that has timed a shadow step
+  probes with whichever costs less. A probe that confirms the current choice
   with confidence (the gain ``z`` standard errors away from the threshold that would flip it) doubles the
   interval (bounded by ``max_probe_interval``), so a draft that keeps losing costs ever less; a probe that
   confirms it only within the gain's error keeps the interval (at batch 1, ``uncertain_probe_max_batch``),
@@ -162,6 +166,8 @@ class BucketState:
     plain_warmup: list[float] = field(default_factory=list)  # draft-free step seconds, until warm
     t_draft: Optional[float] = None  # EMA seconds of a drafted step
     t_plain: Optional[float] = None  # EMA seconds of a draft-free step
+    shadow_warmup: list[float] = field(default_factory=list)  # shadow step seconds, until warm
+    t_shadow: Optional[float] = None  # EMA seconds of a shadow step (a draft-free step plus the draft block)
     drafting: Optional[bool] = None  # the current choice (None while measuring)
     prior: Optional["CostPrior"] = None  # what timed neighbours said when this bucket took their choice
     since_probe: int = 0  # steps on the chosen path since the last probe or switch
@@ -317,10 +323,16 @@ class AdaptiveSpeculation:
         one drafted step is no longer clear at the current accept length)."""
         if not self.config.shadow_probes or self.tokens is None or b.prior is not None:
             return StepKind.DRAFTED
-        if b.t_draft is not None:
-            return StepKind.SHADOW
-        gain = self._own_gain(b)
-        return StepKind.SHADOW if gain is not None and self._clear(gain, self.threshold) else StepKind.DRAFTED
+        if b.t_draft is None:
+            gain = self._own_gain(b)
+            if gain is None or not self._clear(gain, self.threshold):
+                return StepKind.DRAFTED
+        t_shadow = _seconds(b.t_shadow, b.shadow_warmup)
+        if t_shadow is None:
+            return StepKind.SHADOW  # its price is learnt by running one
+        # Each probe's price: its time beyond plain steps that commit the same tokens.
+        t_draft, t_plain = _seconds(b.t_draft, b.draft_warmup), _seconds(b.t_plain, b.plain_warmup)
+        return StepKind.SHADOW if t_shadow - t_plain < t_draft - self.tokens * t_plain else StepKind.DRAFTED
 
     def _probe_gap(self, b: BucketState) -> int:
         """Steps on the chosen path before the next probe: the interval, in plain-step time while drafting is off.
@@ -357,14 +369,15 @@ class AdaptiveSpeculation:
             b.since_probe = 0 if probe else b.since_probe + 1
         self._judge(key, b, probe, "switched")
 
-    def record_shadow(self, batch_size: int) -> None:
-        """A shadow step ran (the probe of a draft-free bucket); its drafts come back through ``record_shadow_accept``.
-
-        Its wall time is not a plain step's (it holds the draft block too), so it is not timed.
-        """
+    def record_shadow(self, batch_size: int, seconds: float) -> None:
+        """A shadow step ran (the probe of a draft-free bucket) in ``seconds``; its drafts come back through
+        ``record_shadow_accept``. Its time prices shadow probes; it is not a plain step's (it holds the draft block)."""
+        if not (math.isfinite(seconds) and seconds > 0.0):
+            raise ValueError(f"step seconds must be a finite number > 0, got {seconds}")
         b = self._bucket(batch_size)
         if b.drafting is not False:
             raise ValueError(f"a shadow step probes a draft-free bucket; bucket {bucket_of(batch_size)} is not one")
+        b.t_shadow = self._update(b.t_shadow, b.shadow_warmup, seconds)
         b.since_probe = 0
 
     def record_shadow_accept(self, batch_size: int, tokens_per_req: float, num_requests: int) -> None:

@@ -295,8 +295,10 @@ class DFlashWorker(BaseModelWorker):
             self.flush_deferred_kv()
         shadow_of, self._shadow_batch_size = self._shadow_batch_size, None
         if drafted and shadow_of is not None:
-            self.adaptive.record_shadow(shadow_of)
-            return self._decode_shadow(batch, slots, shadow_of)
+            start = time.perf_counter()
+            out = self._decode_shadow(batch, slots, shadow_of)
+            self.adaptive.record_shadow(shadow_of, max(time.perf_counter() - start, 1e-9))
+            return out
         if self.adaptive is None or self._capped(bs):
             return self._decode_with_draft(batch, slots) if drafted else self._decode_without_draft(batch, slots[:, 0])
         # The whole step, host to host: both paths end in a .tolist() that waits for the device.

@@ -23,11 +23,12 @@ EST_TIME = 1
 CFG = AdaptiveSpecConfig(ema_alpha=0.25, warmup_steps=3, margin=0.05, probe_interval=4, max_probe_interval=16)
 
 
-def step(policy, bs, t_draft, tokens, t_plain):
-    """One decode step whose drafted/plain costs are fixed; a shadow step's drafts are scored at once. Its kind."""
+def step(policy, bs, t_draft, tokens, t_plain, t_block=None):
+    """One decode step whose drafted/plain/shadow costs are fixed (the draft block: a tenth of a plain step unless
+    given); a shadow step's drafts are scored at once. Its kind."""
     kind = policy.next_step(bs)
     if kind is StepKind.SHADOW:
-        policy.record_shadow(bs)
+        policy.record_shadow(bs, t_plain + (0.1 * t_plain if t_block is None else t_block))
         policy.record_shadow_accept(bs, tokens, bs)
     else:
         drafted = kind is StepKind.DRAFTED
@@ -394,10 +395,43 @@ def test_a_shadow_probe_that_finds_the_draft_paying_switches_it_on(caplog):
     kinds = []
     while p.buckets[8].drafting is False and len(kinds) < 600:
         kinds.append(step(p, 8, 0.45, 5.0, 0.15))  # 5 tokens in 3 plain steps' time
-    assert p.buckets[8].drafting is True and kinds[-1] is StepKind.SHADOW
-    assert set(kinds) == {StepKind.PLAIN, StepKind.SHADOW}  # no drafted step until it pays
+    assert p.buckets[8].drafting is True
+    probes = [k for k in kinds if k is not StepKind.PLAIN]
+    # Shadow probes lift the estimate; once the accept length nears paying, a drafted probe is the cheaper kind
+    # (its loss, t_draft - L x t_plain, falls below the draft block's), and one of them switches drafting on.
+    assert probes[0] is StepKind.SHADOW and probes.count(StepKind.DRAFTED) <= 2, probes
     assert p.buckets[8].interval == CFG.probe_interval and p.next_step(8) is StepKind.DRAFTED
+    assert any("switched" in r.getMessage() and "drafting on" in r.getMessage() for r in caplog.records)
+
+    # A batch of 32 fills the accept window in one step: one shadow probe that finds a repetitive reply switches.
+    q = AdaptiveSpeculation(CFG)
+    for _ in range(40):
+        step(q, 32, 0.30, 1.5, 0.10)
+    assert q.buckets[32].drafting is False
+    kinds = [step(q, 32, 0.30, 5.0, 0.10) for _ in range(200)]  # gain 1.67: clear of the threshold at once
+    first = next(i for i, k in enumerate(kinds) if k is not StepKind.PLAIN)
+    assert kinds[first] is StepKind.SHADOW and q.buckets[32].drafting is True
+    assert kinds[first + 1] is StepKind.DRAFTED
     assert any("switched (shadow probe): drafting on" in r.getMessage() for r in caplog.records)
+
+
+def test_a_probe_is_the_cheaper_kind_beyond_plain_steps_committing_the_same_tokens():
+    """A shadow step's price is the draft block (t_shadow - t_plain), a drafted one's t_draft - L x t_plain. At
+    batch 8 on a CPU the verify loses ~1 plain step and the block costs ~0.2: shadow probes. At batch 1 near
+    break-even the drafted step loses nothing and the block still costs ~0.27 plain steps: once a shadow step has
+    been timed, drafted probes (which also keep timing drafting)."""
+    far = AdaptiveSpeculation(CFG)
+    kinds = [step(far, 8, 0.127, 1.8, 0.046, t_block=0.0104) for _ in range(400)]
+    assert far.buckets[8].drafting is False
+    probes = [k for k in kinds[6:] if k is not StepKind.PLAIN]
+    assert len(probes) >= 3 and set(probes) == {StepKind.SHADOW}
+
+    near = AdaptiveSpeculation(CFG)
+    kinds = [step(near, 1, 0.0275, 1.55, 0.0172, t_block=0.0048) for _ in range(400)]
+    b = near.buckets[1]
+    assert b.drafting is False and b.t_shadow is None and len(b.shadow_warmup) == 1
+    probes = [k for k in kinds[6:] if k is not StepKind.PLAIN]
+    assert probes[0] is StepKind.SHADOW and set(probes[1:]) == {StepKind.DRAFTED} and len(probes) >= 4
 
 
 def test_a_bucket_that_must_time_drafting_probes_with_drafted_steps():
@@ -457,7 +491,9 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="token per request"):
         p.record(1, True, 0.1, 0.5)
     with pytest.raises(ValueError, match="probes a draft-free bucket"):
-        p.record_shadow(1)  # bucket 1 is measuring
+        p.record_shadow(1, 0.1)  # bucket 1 is measuring
+    with pytest.raises(ValueError, match="step seconds"):
+        p.record_shadow(1, 0.0)
     with pytest.raises(ValueError, match=">= 1 request"):
         p.record_shadow_accept(1, 2.0, 0)
     with pytest.raises(ValueError, match="token per request"):

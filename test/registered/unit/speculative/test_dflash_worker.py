@@ -692,8 +692,8 @@ class ScriptedPolicy:
     def record(self, batch_size, drafted, seconds, tokens_per_req):
         self.records.append((batch_size, drafted, seconds, tokens_per_req))
 
-    def record_shadow(self, batch_size):
-        self.shadows.append(batch_size)
+    def record_shadow(self, batch_size, seconds):
+        self.shadows.append((batch_size, seconds))
 
     def record_shadow_accept(self, batch_size, tokens_per_req, num_requests):
         self.shadow_scores.append((batch_size, tokens_per_req, num_requests))
