@@ -61,6 +61,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--speculative-token-map", default=None,
                    help="hot token ids of the draft head (.pt); default: the draft folder's token_map.pt if it has "
                         "one (as sglite serve does for the bundled draft); 'none': the full head")
+    p.add_argument("--speculative-draft-model-quantization", default=None, choices=("q8_0", "none"),
+                   help="the draft's weights; default: what `sglite serve` does (q8_0 for the bundled draft on CPU)")
     p.add_argument("--prompt-set", default="chat", choices=("chat", "toy"))
     p.add_argument("--speculative-algorithm", default="DFLASH", choices=("DFLASH", "DSPARK"))
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
@@ -113,7 +115,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     spec_args = {"speculative_algorithm": args.speculative_algorithm,
                  "speculative_draft_model_path": args.draft_model_path,
                  "speculative_num_draft_tokens": num_draft_tokens,
-                 "speculative_token_map": token_map}
+                 "speculative_token_map": token_map,
+                 "speculative_draft_model_quantization": args.speculative_draft_model_quantization}
     extras = {"plain": {}, "spec": {**spec_args, "speculative_adaptive": False},
               "adaptive": {**spec_args, "speculative_adaptive": True},
               "draft-off": {**spec_args, "speculative_adaptive": False, "speculative_disable_by_batch_size": 1}}

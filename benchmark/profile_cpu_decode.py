@@ -285,7 +285,9 @@ def spec_step(args: argparse.Namespace) -> None:
     sa = ServerArgs(model_path=args.model_path or default_model_path(), speculative_algorithm="DFLASH",
                     speculative_draft_model_path=args.draft_model_path or DEFAULT_DRAFT_DIR, device="cpu",
                     enable_torch_compile=args.enable_torch_compile,
-                    speculative_token_map=args.speculative_token_map).validate()
+                    speculative_token_map=args.speculative_token_map,
+                    speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+                    speculative_draft_model_quantization=args.speculative_draft_model_quantization).validate()
     totals: dict[str, list[float]] = {}
 
     def timed(obj, name: str, label: str) -> None:
@@ -399,6 +401,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     t.add_argument("--draft-model-path", default=None, help="default: the default draft")
     t.add_argument("--enable-torch-compile", action="store_true")
     t.add_argument("--speculative-token-map", default=None, help="draft head over these token ids only (.pt)")
+    t.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="B (the verify's width); default: the checkpoint's (`sglite serve` uses 3 on CPU for the bundled draft)")
+    t.add_argument("--speculative-draft-model-quantization", choices=("q8_0", "none"), default=None,
+                   help="q8_0: the draft's linears as Q8_0 blocks through the GGUF kernel")
     t.add_argument("--num-prompts", type=int, default=3)
     t.add_argument("--output-len", type=int, default=48)
     d = sub.add_parser("spec-disable")

@@ -114,6 +114,8 @@ def describe_model_choice(original: ServerArgs, resolved: ServerArgs) -> str:
         if resolved.speculative_token_map:
             how = "the bundled draft's" if original.speculative_token_map is None else "--speculative-token-map"
             line += f", token map {resolved.speculative_token_map} ({how})"
+        if resolved.speculative_draft_model_quantization not in (None, "none"):  # unset: the runner decides and logs it
+            line += f", draft weights {resolved.speculative_draft_model_quantization} (--speculative-draft-model-quantization)"
         if resolved.speculative_num_draft_tokens is not None:
             how = "the bundled draft's on CPU" if original.speculative_num_draft_tokens is None else "--speculative-num-draft-tokens"
             line += f", {resolved.speculative_num_draft_tokens} tokens a verify ({how})"

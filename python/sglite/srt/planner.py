@@ -41,7 +41,13 @@ from sglite.srt.model_executor.model_runner_components.spec_aux_hidden_state imp
 )
 from sglite.srt.model_executor.pool_configurator import DEFAULT_SWA_FULL_TOKENS_RATIO
 from sglite.srt.runtime_context import ParallelState, check_attn_cp_supported, scoped
-from sglite.srt.server_args import KV_CACHE_DTYPES, SPECULATIVE_ALGORITHMS, ServerArgs, ServerArgsError
+from sglite.srt.server_args import (
+    DRAFT_MODEL_QUANTIZATIONS,
+    KV_CACHE_DTYPES,
+    SPECULATIVE_ALGORITHMS,
+    ServerArgs,
+    ServerArgsError,
+)
 
 # ====================================================================== weights estimate
 
@@ -340,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DFLASH/DSPARK: batches this large skip the draft (plans the deferred draft context buffer)")
     p.add_argument("--speculative-token-map", default=None,
                    help="hot token ids of the draft head (.pt); their replicated rows count as draft weights")
+    p.add_argument("--speculative-draft-model-quantization", choices=DRAFT_MODEL_QUANTIZATIONS,
+                   help="DFLASH/DSPARK on CPU: q8_0 draft weights (no KV bytes change; checked as the server checks it)")
     p.add_argument("--speculative-adaptive", action="store_true", default=None,
                    help="DFLASH/DSPARK: draft only while it pays (plans the deferred draft context buffer)")
     p.add_argument("--tp-size", type=int, default=1)
@@ -417,6 +425,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             speculative_dspark_block_size=a.speculative_dspark_block_size,
             speculative_disable_by_batch_size=a.speculative_disable_by_batch_size,
             speculative_adaptive=a.speculative_adaptive,
+            speculative_draft_model_quantization=a.speculative_draft_model_quantization,
             speculative_token_map=a.speculative_token_map,
             tp_size=a.tp_size, dp_size=a.dp_size, enable_dp_attention=a.enable_dp_attention,
             attn_cp_size=a.attn_cp_size, mem_fraction_static=a.mem_fraction_static, device=a.device,

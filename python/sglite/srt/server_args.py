@@ -23,6 +23,8 @@ ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "fake")
 DEVICES = ("cpu", "cuda")
+# --speculative-draft-model-quantization (SGLang's flag): "none" keeps the draft's own weights (a way to turn off a default).
+DRAFT_MODEL_QUANTIZATIONS = ("q8_0", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
@@ -153,6 +155,13 @@ class ServerArgs:
         "(tokens per second, with a small margin; the path not taken is still probed now and then). Greedy output is "
         "unchanged. Bare flag = on; 'false' = off. Default: on for the embedded default model pair, off otherwise"
     )
+    speculative_draft_model_quantization: Optional[str] = _opt(
+        "DFLASH/DSPARK on CPU: q8_0 rounds the draft's linear weights to GGUF Q8_0 blocks at load, which the GGUF "
+        "kernel reads at decode sizes (about a quarter of the fp32 bytes a draft block streams). Output is unchanged "
+        "(the target verifies every draft). Default: q8_0 for the bundled draft on a CPU whose GGUF kernel is built, "
+        "none otherwise",
+        None, DRAFT_MODEL_QUANTIZATIONS,
+    )
     speculative_token_map: Optional[str] = _opt(
         "DFLASH/DSPARK: a torch.save file of hot token ids (SGLang's FR-Spec map); the draft proposes only those "
         "tokens, through just their rows of the LM head. Output is unchanged. Default: the full vocabulary "
@@ -275,6 +284,16 @@ class ServerArgs:
             _require(
                 self.one_rank_per_scheduler(),
                 "--speculative-adaptive needs --tp-size 1 and --attn-cp-size 1 (use --speculative-disable-by-batch-size)",
+            )
+        if self.speculative_draft_model_quantization not in (None, "none"):
+            _require(
+                block_draft,
+                "--speculative-draft-model-quantization needs --speculative-algorithm DFLASH or DSPARK",
+            )
+            _require(
+                self.resolved_device() == "cpu",
+                f"--speculative-draft-model-quantization {self.speculative_draft_model_quantization} is a CPU option "
+                "(the GGUF kernel); drop it on CUDA",
             )
         if self.speculative_token_map is not None:
             _require(block_draft, "--speculative-token-map needs --speculative-algorithm DFLASH or DSPARK")

@@ -370,6 +370,21 @@ def test_plan_refuses_a_bad_token_map_as_the_runtime_does(capsys, tmp_path, ids)
     assert planned.startswith(f"--speculative-token-map {path}")
 
 
+def test_plan_refuses_a_q8_0_draft_on_cuda_as_the_server_does(capsys, tiny_pair):
+    from sglite.srt.server_args import ServerArgs, ServerArgsError
+
+    target, dflash = tiny_pair
+    with pytest.raises(SystemExit) as exit_info:  # a flag error: argparse's exit status 2, one line naming it
+        main(["--model-path", target, "--device", "cuda", "--speculative-algorithm", "DFLASH",
+              "--speculative-draft-model-path", dflash, "--speculative-draft-model-quantization", "q8_0"])
+    assert exit_info.value.code == 2
+    planned = capsys.readouterr().err.strip().splitlines()[-1].removeprefix("sglite plan: error: ")
+    with pytest.raises(ServerArgsError) as e:
+        ServerArgs(model_path=target, device="cuda", speculative_algorithm="DFLASH", speculative_draft_model_path=dflash,
+                   speculative_draft_model_quantization="q8_0").validate()
+    assert planned == str(e.value) and "is a CPU option" in planned
+
+
 def test_draft_weight_estimate_counts_the_token_maps_head(one_rank):
     """A token map's replicated head rows are draft weights: the estimate grows by what the hot head holds."""
     import torch

@@ -98,6 +98,20 @@ BAD = {
         "no such file",
     ),
     "adaptive_not_a_bool": (["--speculative-adaptive", "maybe"], "--speculative-adaptive", "true or false"),
+    "draft_quantization_without_block_draft": (
+        ["--model-path", "/m", "--speculative-draft-model-quantization", "q8_0"],
+        "--speculative-draft-model-quantization",
+        "DFLASH or DSPARK",
+    ),
+    "draft_quantization_on_cuda": (
+        ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d", "--device", "cuda",
+         "--speculative-draft-model-quantization", "q8_0"],
+        "--speculative-draft-model-quantization",
+        "CPU option",
+    ),
+    "unknown_draft_quantization": (
+        ["--speculative-draft-model-quantization", "fp8"], "--speculative-draft-model-quantization", "invalid choice"
+    ),
     "mixed_chunk_not_a_bool": (["--enable-mixed-chunk", "sometimes"], "--enable-mixed-chunk", "true or false"),
     "mixed_chunk_prefill_below_page": (
         ["--page-size", "16", "--mixed-chunk-prefill-size", "8"],

@@ -407,6 +407,10 @@ def pack_weights_for_cpu(model: nn.Module, layout: str = "auto", like: Optional[
         if like.layout not in layouts:
             raise ValueError(f"CPU pack layout {like.layout!r} (the target's) does not pack these weights (have {layouts})")
         choice = like
+        if not like.gguf_rows and gguf_kernel_available() and any(getattr(m, "gguf_weight", None) for m in modules):
+            # Blocks the other model had none of (a draft rounded to Q8_0 beside an fp32 target): too few bytes to
+            # time, so every count the kernel covers, as choose_gguf_rows gives a small model.
+            choice = dataclasses.replace(like, gguf_rows=ALL_GGUF_ROWS)
     elif layout == "auto":
         choice = choose_pack_layout([m.weight for m in modules], layouts)
     elif layout in layouts:

@@ -39,7 +39,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from sglite.srt.layers.attention.compiled_decode import CompiledDecodeAttention, DecodeSlots, TracedDecodeBatch
+from sglite.srt.layers.attention.compiled_decode import (
+    KERNEL_KV_DTYPES,
+    CompiledDecodeAttention,
+    DecodeSlots,
+    TracedDecodeBatch,
+)
 from sglite.srt.layers.attention.cpu_paged_attention import kernel_serves
 from sglite.srt.layers.attention.radix_attention import RadixAttention
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
@@ -120,10 +125,6 @@ def compiled_extend_pays(new_tokens: list[int], max_keys: int) -> bool:
     return prompt_tokens * (max_keys - PROMPT_TOKEN_BREAK_EVEN_KEYS) <= DECODE_ROW_KEY_CREDIT * decode_rows
 
 
-# K/V dtypes whose rows the compiled attention hands the fp32 kernel: fp32 in place, bf16 widened per forward.
-KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def attention_kernel_serves(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether the C++ paged attention kernel serves every attention layer of ``model`` (its dtype, head geometry): it
     computes in fp32, and a bf16 model's K/V rows are widened to fp32 first (``CompiledDecodeAttention``)."""
@@ -189,11 +190,9 @@ class CompiledDecodeRunner:
             "the C++ paged attention kernel" if self.attention.use_kernel else "the torch formulation (no C++ kernel "
             "for this dtype or head size, or SGLITE_CPU_PAGED_ATTENTION_KERNEL=0): long prompts run eagerly",
         )
-        # fp32 elements a key adds to the copy the kernel reads of a bf16 pool (0: an fp32 pool is read in place); the
-        # pool's geometry is fixed, so ``can_run`` does not look it up per forward.
-        k_cache, v_cache = model_runner.token_to_kv_pool.get_kv_buffer(0)
-        self._widened_elements_per_key = (
-            0 if k_cache.dtype == torch.float32 else k_cache.shape[1] * (k_cache.shape[2] + v_cache.shape[2])
+        # The pool's geometry is fixed, so ``can_run`` does not look the widened copy's size up per forward.
+        self._widened_elements_per_key = CompiledDecodeAttention.widened_elements_per_key(
+            *model_runner.token_to_kv_pool.get_kv_buffer(0)
         )
         self.capture = self._decode_capture_layers()
         # Forwards of several new tokens a request run through a second graph of the same function, the token graph:

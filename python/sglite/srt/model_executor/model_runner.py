@@ -42,6 +42,7 @@ from sglite.srt.model_executor.forward_batch_info import (
 )
 from sglite.srt.model_executor.compiled_decode_runner import build_compiled_decode_runner
 from sglite.srt.model_executor.cuda_graph_runner import CudaGraphRunner, build_cuda_graph_runners
+from sglite.srt.model_loader.gguf_weights import draft_model_quantization, quantize_linears_to_q8_0
 from sglite.srt.model_loader.loader import load_model
 from sglite.srt.runtime_context import get_parallel
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -118,6 +119,9 @@ class ModelRunner:
                 self.model.restrict_draft_vocab(
                     load_token_map(server_args.speculative_token_map, target_runner.model_config.vocab_size)
                 )
+        quantization = draft_model_quantization(server_args.speculative_draft_model_quantization, path, self.device)
+        if is_draft and quantization == "q8_0":  # before packing: the blocks are what the pack routes rows to
+            quantize_linears_to_q8_0(self.model)
         # The CPU pack layout and the small-M kernel's row counts are facts of the host, timed once on the target's
         # weights: a draft (too few layers to time past the caches) packs like its target.
         self.cpu_pack: Optional[PackChoice] = None

@@ -12,9 +12,9 @@ Q and K projections of ``llama`` models (interleaved rope pairs); that permutati
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import logging
+import os
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from sglite.srt.configs.gguf import GGUF_ARCHITECTURES, GGUFError
 from sglite.srt.configs.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_header
 from sglite.srt.configs.model_config import ModelConfig
+from sglite.srt.default_model import DEFAULT_DRAFT_DIR
 from sglite.srt.layers.cpu_gguf_linear import (
     GGUF_LINEAR_TYPES,
     GGUFWeight,
@@ -185,4 +186,56 @@ def attach_gguf_blocks(model: nn.Module, path: str, model_config: ModelConfig) -
     return attached
 
 
-__all__ = ["attach_gguf_blocks", "iterate_gguf", "unpermute_rope_rows"]
+# GGML's Q8_0: blocks of 32 weights, one fp16 scale each (34 bytes).
+Q8_0_TYPE = 8
+Q8_0_BLOCK = 32
+
+
+def draft_model_quantization(flag: Optional[str], draft_path: str, device: torch.device) -> Optional[str]:
+    """--speculative-draft-model-quantization, resolved: the flag ("none": the draft's own weights); unset, q8_0 for the
+    bundled draft on a CPU whose GGUF kernel is built (its block streams a quarter of the fp32 bytes: docs/benchmarks.md,
+    "A Q8_0 draft, session 23"), else None. (A runtime fact, so it is resolved here, not with the other bundled-pair
+    defaults in ``default_model``.)"""
+    if flag is not None:
+        return None if flag == "none" else flag
+    bundled = os.path.realpath(draft_path) == os.path.realpath(DEFAULT_DRAFT_DIR)
+    return "q8_0" if bundled and device.type == "cpu" and gguf_kernel_available() else None
+
+
+def quantize_linears_to_q8_0(model: nn.Module) -> int:
+    """Round each CPU linear of ``model`` to GGUF Q8_0 blocks the GGUF kernel reads (``module.gguf_weight``), and its
+    fp32 weight to exactly what those blocks dequantize to, so every route (the kernel at decode sizes, the packs
+    past them) computes with the same weights; returns how many (``--speculative-draft-model-quantization q8_0``).
+
+    Only fp32 weights of one rank whose rows split into 32-weight blocks qualify; a linear that already reads GGUF
+    blocks (a hot-token head gathered from a GGUF target's) keeps them.
+    """
+    if not gguf_kernel_available():
+        raise GGUFError("--speculative-draft-model-quantization q8_0 needs the GGUF kernel, which is not built here "
+                        "(an x86 host with a C++ compiler; SGLITE_CPU_GGUF_KERNEL=0 turns it off)")
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    quantized = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "packed_weight") or not isinstance(weight, torch.Tensor):
+            continue  # not a linear that opted into cpu_gemm
+        if getattr(module, "gguf_weight", None) is not None:
+            continue
+        if weight.dim() != 2 or weight.dtype != torch.float32 or getattr(module, "tp_size", 1) != 1:
+            continue
+        if weight.shape[1] % Q8_0_BLOCK:
+            continue
+        rows = quantize(weight.detach().cpu().numpy(), GGMLQuantizationType.Q8_0)
+        gguf = gguf_weight_from_rows(torch.from_numpy(np.ascontiguousarray(rows)), Q8_0_TYPE, weight.shape[1])
+        with torch.no_grad():
+            weight.copy_(gguf_dequantize(gguf))
+        module.gguf_weight = gguf
+        quantized += 1
+    logger.info("Draft weights: %d linears rounded to Q8_0 blocks the GGUF kernel reads "
+                "(--speculative-draft-model-quantization q8_0, the bundled draft's default on CPU)", quantized)
+    return quantized
+
+
+__all__ = ["attach_gguf_blocks", "draft_model_quantization", "iterate_gguf", "quantize_linears_to_q8_0", "unpermute_rope_rows"]

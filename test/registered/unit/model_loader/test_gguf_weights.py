@@ -240,3 +240,61 @@ def test_blocks_that_do_not_match_the_loaded_weight_are_an_error(tmp_path, rank0
     qkv.weight.data[0, 0] += 1.0
     with pytest.raises(GGUFError, match="model.layers.0.self_attn.qkv_proj.weight do not dequantize"):
         attach_gguf_blocks(model, find_gguf_file(d), config)
+
+
+def test_q8_0_rounding_gives_a_models_linears_blocks_that_dequantize_to_its_weights():
+    """--speculative-draft-model-quantization q8_0: each fp32 linear whose rows split into 32-weight blocks gets Q8_0
+    blocks the GGUF kernel reads, and its fp32 weight becomes exactly what they dequantize to (every route computes
+    with the same weights); rows of other widths, and blocks a linear already reads, are left alone."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from sglite.srt.layers.cpu_gguf_linear import GGUFWeight, gguf_dequantize, gguf_kernel_available
+    from sglite.srt.layers.linear import ReplicatedLinear
+    from sglite.srt.model_loader.gguf_weights import quantize_linears_to_q8_0
+
+    if not gguf_kernel_available():
+        pytest.skip("the GGUF kernel is not built here")
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({
+        "a": ReplicatedLinear(64, 96, bias=False), "b": ReplicatedLinear(128, 32, bias=True),
+        "odd": ReplicatedLinear(48, 16, bias=False), "kept": ReplicatedLinear(32, 8, bias=False),
+    })
+    for m in model.values():
+        m.weight.data.normal_()
+    kept = GGUFWeight(torch.zeros(8, 34, dtype=torch.uint8), 8, 32)
+    model["kept"].gguf_weight = kept
+    originals = {k: m.weight.detach().clone() for k, m in model.items()}
+    assert quantize_linears_to_q8_0(model) == 2
+    for key in ("a", "b"):
+        m = model[key]
+        assert m.gguf_weight.type_name == "Q8_0" and m.gguf_weight.out_features == m.weight.shape[0]
+        assert torch.equal(gguf_dequantize(m.gguf_weight), m.weight)
+        want = dequantize(quantize(originals[key].numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        assert torch.equal(m.weight, torch.from_numpy(want))  # the gguf package's own Q8_0 rounding
+        assert 0 < (m.weight - originals[key]).abs().max() < 0.02 * originals[key].abs().max()
+    assert getattr(model["odd"], "gguf_weight", None) is None and torch.equal(model["odd"].weight, originals["odd"])
+    assert model["kept"].gguf_weight is kept and torch.equal(model["kept"].weight, originals["kept"])
+
+
+def test_the_draft_weights_default_to_q8_0_for_the_bundled_draft_on_cpu(monkeypatch):
+    import sglite.srt.model_loader.gguf_weights as gw
+    from sglite.srt.default_model import DEFAULT_DRAFT_DIR
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(gw, "gguf_kernel_available", lambda: True)
+    assert gw.draft_model_quantization(None, DEFAULT_DRAFT_DIR, cpu) == "q8_0"
+    assert gw.draft_model_quantization(None, DEFAULT_DRAFT_DIR, cuda) is None
+    assert gw.draft_model_quantization(None, "/some/other/draft", cpu) is None  # a draft you name keeps its weights
+    assert gw.draft_model_quantization("none", DEFAULT_DRAFT_DIR, cpu) is None
+    assert gw.draft_model_quantization("q8_0", "/some/other/draft", cpu) == "q8_0"
+    monkeypatch.setattr(gw, "gguf_kernel_available", lambda: False)  # no kernel (not x86, no compiler)
+    assert gw.draft_model_quantization(None, DEFAULT_DRAFT_DIR, cpu) is None
+
+
+def test_q8_0_without_the_gguf_kernel_is_a_clear_error(monkeypatch):
+    import sglite.srt.model_loader.gguf_weights as gw
+
+    monkeypatch.setattr(gw, "gguf_kernel_available", lambda: False)
+    with pytest.raises(GGUFError, match="needs the GGUF kernel"):
+        gw.quantize_linears_to_q8_0(torch.nn.Linear(32, 8))

@@ -795,6 +795,29 @@ def test_a_shadow_step_scores_its_drafts_as_a_verify_would_and_stays_lossless(tr
     assert policy.shadow_scores and all(bs >= n >= 1 and t >= 1.0 for bs, t, n in policy.shadow_scores)
 
 
+def test_a_q8_0_draft_reads_its_blocks_and_stays_lossless(trained):
+    """--speculative-draft-model-quantization q8_0: the draft's linears carry Q8_0 blocks the GGUF kernel reads at
+    decode sizes (beside an fp32 target that has none), greedy output is still the target's, and the rounded
+    draft is still accepted."""
+    from sglite.srt.layers.cpu_gguf_linear import gguf_kernel_available
+
+    if not gguf_kernel_available():
+        pytest.skip("the GGUF kernel is not built here")
+    target_dir, tr, target, _ = trained
+    prompts = [tr.prompts[0], tr.prompts[2]]
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_draft_model_quantization="q8_0") as (sched, worker):
+        draft_linears = [m for m in worker.draft_model.modules() if getattr(m, "packed_weight", None) is not None]
+        target_linears = [m for m in worker.target_model.modules() if getattr(m, "packed_weight", None) is not None]
+        run = generate(sched, prompts, [greedy(24), greedy(24)])
+        verify_total, accepted_total = sched.spec_verify_total, sched.spec_accepted_total
+    assert draft_linears and all(m.packed_weight.gguf.type_name == "Q8_0" for m in draft_linears)
+    assert all(m.packed_weight.gguf_rows for m in draft_linears)
+    assert target_linears and all(m.packed_weight.gguf is None for m in target_linears)
+    for i, p in enumerate(prompts):
+        assert run.ids[f"r{i}"] == target_greedy(target, p, 24)
+    assert accepted_total > 1.5 * verify_total  # the trained draft, rounded, is still accepted
+
+
 def test_adaptive_policy_measures_and_stays_lossless(trained):
     """The real cost model on the toy pair: it warms a bucket up (drafted, then draft-free steps), greedy is exact."""
     target_dir, tr, target, _ = trained

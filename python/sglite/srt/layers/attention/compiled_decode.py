@@ -88,6 +88,15 @@ def paged_causal_attention(
     return out.reshape(tokens, num_heads, values.shape[-1]).to(q.dtype)
 
 
+# K/V dtypes whose rows the compiled attention can hand the fp32 C++ kernel: fp32 in place, bf16 widened per forward.
+KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kernel_reads_in_place(kv_dtype: torch.dtype) -> bool:
+    """Whether the kernel reads a pool of this dtype as it is (fp32) rather than a widened fp32 copy of its rows."""
+    return kv_dtype == torch.float32
+
+
 class CompiledDecodeAttention:
     """The attention backend a compiled forward's model calls: K/V write, then paged attention (the C++ kernel
     ``sglite::paged_attention`` for forwards of several new tokens a request when ``use_kernel``, on fp32 rows, else
@@ -128,6 +137,11 @@ class CompiledDecodeAttention:
         return o.reshape(tokens, layer.num_heads * layer.v_head_dim)
 
     @staticmethod
+    def widened_elements_per_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+        """fp32 elements one key adds to the copy ``_kernel_attention`` makes of a pool's rows (0: read in place)."""
+        return 0 if _kernel_reads_in_place(k_cache.dtype) else k_cache.shape[1] * (k_cache.shape[2] + v_cache.shape[2])
+
+    @staticmethod
     def _kernel_attention(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: DecodeSlots, layer: "RadixAttention"
     ) -> torch.Tensor:
@@ -135,7 +149,7 @@ class CompiledDecodeAttention:
         widened into one fp32 copy (the batch's keys, a few per prompt token: exact, and cheap beside the attention
         the kernel saves; docs/benchmarks.md, "bf16 on CPU, session 22")."""
         kv_indices = slots.kv_indices
-        if k_cache.dtype != torch.float32:
+        if not _kernel_reads_in_place(k_cache.dtype):
             requests, keys = kv_indices.shape
             k_cache = k_cache[kv_indices].reshape(requests * keys, *k_cache.shape[1:]).float()
             v_cache = v_cache[kv_indices].reshape(requests * keys, *v_cache.shape[1:]).float()
