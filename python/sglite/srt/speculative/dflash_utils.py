@@ -9,7 +9,7 @@ and, after ``a`` accepted drafts, row ``a`` gives the bonus token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -92,21 +92,3 @@ def committed_tokens(block_ids: torch.Tensor, result: BlockVerifyResult) -> list
         out.append(block_ids[i, 1 : 1 + n].tolist() + [int(result.bonus_ids[i])])
     return out
 
-
-def shadow_committed_tokens(drafts: Sequence[int], produced: Sequence[int], done: bool) -> Optional[int]:
-    """Tokens a verify of ``drafts`` would have committed, judged by the tokens the target went on to produce
-    without it (a shadow step's probe); None while that needs tokens not produced yet.
-
-    A verify commits the drafts' longest prefix equal to the target's own tokens and one more (the bonus), but
-    never past where the request stopped (``done``: ``produced`` is all there will be). Greedy, this is exactly
-    what the verify finds (its rows score as decode rows do); sampled, the drafts are point masses, so each is
-    accepted with the target's probability of sampling it, which is what matching a sampled token measures.
-    """
-    matched = 0
-    for draft, token in zip(drafts, produced):
-        if draft != token:
-            return matched + 1
-        matched += 1
-    if matched == len(drafts):
-        return matched + 1 if not done or len(produced) > matched else matched
-    return max(1, matched) if done else None

@@ -54,16 +54,15 @@ from sglite.srt.managers.schedule_batch import ScheduleBatch
 from sglite.srt.mem_cache.memory_pool import DeferredContextRows
 from sglite.srt.mem_cache.pool_plan import MemoryPlanError
 from sglite.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from sglite.srt.managers.schedule_batch import Req
 from sglite.srt.speculative.adaptive import AdaptiveSpeculation, StepKind
 from sglite.srt.speculative.dflash_utils import (
     BlockVerifyResult,
     committed_tokens,
     greedy_verify,
     sampling_verify,
-    shadow_committed_tokens,
     verify_probs,
 )
+from sglite.srt.speculative.shadow_probe import ShadowProbe
 from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
 
 logger = logging.getLogger(__name__)
@@ -81,29 +80,6 @@ class DFlashStepStats:
     accept_lens: list[int]  # drafts accepted per request (0 .. n)
     draft_ids: list[list[int]]  # the n drafts per request
     verified_drafts: int = 0  # drafts the target verified per request this step (n, or fewer when capped)
-
-
-# Decode steps a shadow probe waits for its requests' next tokens (a retracted request may not produce them soon);
-# requests still unscored then are left out of its sample.
-SHADOW_PROBE_MAX_AGE_STEPS = 16
-
-
-@dataclass
-class ShadowProbe:
-    """A shadow step's drafts, waiting to be scored against the tokens the target produces after it."""
-
-    batch_size: int  # the step's: its bucket judges the result
-    reqs: list[Req]
-    starts: list[int]  # each request's output length at the step: drafts[i][j] meets output_ids[starts[i] + j]
-    drafts: list[list[int]]  # the drafts a verify would have scored (capped under cap-accept)
-    age: int = 0  # decode steps since the shadow step
-
-    def scored(self) -> list[Optional[int]]:
-        """Per request, the tokens a verify would have committed (None while its next tokens are not all out)."""
-        return [
-            shadow_committed_tokens(d, r.output_ids[s : s + len(d) + 1], r.finished)
-            for r, s, d in zip(self.reqs, self.starts, self.drafts)
-        ]
 
 
 def create_dflash_worker(
@@ -415,14 +391,11 @@ class DFlashWorker(BaseModelWorker):
         """Tell the cost model what each shadow step's drafts would have committed, once its requests' tokens are out."""
         waiting = []
         for probe in self.shadow_probes:
-            probe.age += 1
-            scored = probe.scored()
-            if None in scored and probe.age <= SHADOW_PROBE_MAX_AGE_STEPS:
+            scores = probe.sample()
+            if scores is None:
                 waiting.append(probe)
-                continue
-            known = [n for n in scored if n is not None]
-            if known:
-                self.adaptive.record_shadow_accept(probe.batch_size, sum(known) / len(known), len(known))
+            elif scores:
+                self.adaptive.record_shadow_accept(probe.batch_size, sum(scores) / len(scores), len(scores))
         self.shadow_probes = waiting
 
     def _cap_width(self, confidence_logits: torch.Tensor) -> int:

@@ -6,9 +6,9 @@ from sglite.srt.speculative.dflash_utils import (
     committed_tokens,
     greedy_verify,
     sampling_verify,
-    shadow_committed_tokens,
     verify_probs,
 )
+from sglite.srt.speculative.shadow_probe import shadow_committed_tokens
 from sglite.srt.layers.sampler import Sampler
 from sglite.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.srt.sampling.sampling_params import SamplingParams
