@@ -119,8 +119,9 @@ class ModelRunner:
                 self.model.restrict_draft_vocab(
                     load_token_map(server_args.speculative_token_map, target_runner.model_config.vocab_size)
                 )
-        quantization = draft_model_quantization(server_args.speculative_draft_model_quantization, path, self.device)
-        if is_draft and quantization == "q8_0":  # before packing: the blocks are what the pack routes rows to
+        if is_draft and draft_model_quantization(
+            server_args.speculative_draft_model_quantization, path, self.device
+        ) == "q8_0":  # before packing: the blocks are what the pack routes rows to
             quantize_linears_to_q8_0(self.model)
         # The CPU pack layout and the small-M kernel's row counts are facts of the host, timed once on the target's
         # weights: a draft (too few layers to time past the caches) packs like its target.

@@ -25,6 +25,7 @@ from sglite.srt.configs.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.default_model import DEFAULT_DRAFT_DIR
 from sglite.srt.layers.cpu_gguf_linear import (
+    GGUF_BLOCK,
     GGUF_LINEAR_TYPES,
     GGUFWeight,
     gguf_dequantize,
@@ -136,6 +137,17 @@ def _checkpoint_parts(param_name: str, stacked_params_mapping) -> list[str]:
     return parts or [param_name]
 
 
+def _unsharded_fp32_linears(model: nn.Module) -> Iterator[tuple[nn.Module, torch.Tensor]]:
+    """(module, weight) of each CPU linear that opted into cpu_gemm with a whole (one-rank) 2-D fp32 weight: the
+    linears GGUF blocks can serve."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "packed_weight") or not isinstance(weight, torch.Tensor):
+            continue
+        if weight.dim() == 2 and weight.dtype == torch.float32 and getattr(module, "tp_size", 1) == 1:
+            yield module, weight
+
+
 def attach_gguf_blocks(model: nn.Module, path: str, model_config: ModelConfig) -> int:
     """Give every CPU linear of ``model`` whose loaded weight came from kernel-readable GGUF blocks those blocks
     (``module.gguf_weight``, read by cpu_gemm.pack_weights_for_cpu); returns how many got them.
@@ -155,12 +167,7 @@ def attach_gguf_blocks(model: nn.Module, path: str, model_config: ModelConfig) -
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
     attached, types = 0, set()
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not hasattr(module, "packed_weight") or not isinstance(weight, torch.Tensor):
-            continue  # not a linear that opted into cpu_gemm
-        if weight.dim() != 2 or weight.dtype != torch.float32 or getattr(module, "tp_size", 1) != 1:
-            continue
+    for module, weight in _unsharded_fp32_linears(model):
         for name in aliases.get(id(weight), []):
             parts = _checkpoint_parts(name, mapping)
             infos = [tensors.get(part) for part in parts]
@@ -186,16 +193,11 @@ def attach_gguf_blocks(model: nn.Module, path: str, model_config: ModelConfig) -
     return attached
 
 
-# GGML's Q8_0: blocks of 32 weights, one fp16 scale each (34 bytes).
-Q8_0_TYPE = 8
-Q8_0_BLOCK = 32
-
-
 def draft_model_quantization(flag: Optional[str], draft_path: str, device: torch.device) -> Optional[str]:
     """--speculative-draft-model-quantization, resolved: the flag ("none": the draft's own weights); unset, q8_0 for the
-    bundled draft on a CPU whose GGUF kernel is built (its block streams a quarter of the fp32 bytes: docs/benchmarks.md,
-    "A Q8_0 draft, session 23"), else None. (A runtime fact, so it is resolved here, not with the other bundled-pair
-    defaults in ``default_model``.)"""
+    bundled draft on a CPU whose GGUF kernel is built (its block streams a quarter of the fp32 bytes:
+    docs/benchmarks.md, "Shadow probes and a Q8_0 draft, session 23"), else None. (A runtime fact, so it is resolved
+    here, not with the other bundled-pair defaults in ``default_model``.)"""
     if flag is not None:
         return None if flag == "none" else flag
     bundled = os.path.realpath(draft_path) == os.path.realpath(DEFAULT_DRAFT_DIR)
@@ -217,18 +219,13 @@ def quantize_linears_to_q8_0(model: nn.Module) -> int:
     from gguf.quants import quantize
 
     quantized = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not hasattr(module, "packed_weight") or not isinstance(weight, torch.Tensor):
-            continue  # not a linear that opted into cpu_gemm
-        if getattr(module, "gguf_weight", None) is not None:
-            continue
-        if weight.dim() != 2 or weight.dtype != torch.float32 or getattr(module, "tp_size", 1) != 1:
-            continue
-        if weight.shape[1] % Q8_0_BLOCK:
+    for module, weight in _unsharded_fp32_linears(model):
+        if getattr(module, "gguf_weight", None) is not None or weight.shape[1] % GGUF_BLOCK:
             continue
         rows = quantize(weight.detach().cpu().numpy(), GGMLQuantizationType.Q8_0)
-        gguf = gguf_weight_from_rows(torch.from_numpy(np.ascontiguousarray(rows)), Q8_0_TYPE, weight.shape[1])
+        gguf = gguf_weight_from_rows(
+            torch.from_numpy(np.ascontiguousarray(rows)), int(GGMLQuantizationType.Q8_0), weight.shape[1]
+        )
         with torch.no_grad():
             weight.copy_(gguf_dequantize(gguf))
         module.gguf_weight = gguf

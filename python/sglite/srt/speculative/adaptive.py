@@ -202,6 +202,18 @@ def _cost_ratio(b: BucketState) -> Optional[float]:
     return None if t_draft is None or t_plain is None else t_draft / t_plain
 
 
+def _check_step_seconds(seconds: float) -> None:
+    """A step's wall time must be a finite number of seconds > 0."""
+    if not (math.isfinite(seconds) and seconds > 0.0):
+        raise ValueError(f"step seconds must be a finite number > 0, got {seconds}")
+
+
+def _check_tokens_per_request(tokens_per_req: float) -> None:
+    """A drafted step (or a shadow step's scored drafts) commits at least one token per request."""
+    if not (math.isfinite(tokens_per_req) and tokens_per_req >= 1.0):
+        raise ValueError(f"a drafted step commits >= 1 token per request, got {tokens_per_req}")
+
+
 def bucket_of(batch_size: int) -> int:
     """The smallest power of two >= batch_size (1, 2, 4, 8, ...)."""
     if batch_size < 1:
@@ -353,10 +365,9 @@ class AdaptiveSpeculation:
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens_per_req: float = 1.0) -> None:
         """Feed one finished decode step: its kind, wall time and (drafted) mean committed tokens per request."""
-        if not (math.isfinite(seconds) and seconds > 0.0):
-            raise ValueError(f"step seconds must be a finite number > 0, got {seconds}")
-        if drafted and not (math.isfinite(tokens_per_req) and tokens_per_req >= 1.0):
-            raise ValueError(f"a drafted step commits >= 1 token per request, got {tokens_per_req}")
+        _check_step_seconds(seconds)
+        if drafted:
+            _check_tokens_per_request(tokens_per_req)
         key = bucket_of(batch_size)
         b = self._bucket(batch_size)
         if drafted:
@@ -372,8 +383,7 @@ class AdaptiveSpeculation:
     def record_shadow(self, batch_size: int, seconds: float) -> None:
         """A shadow step ran (the probe of a draft-free bucket) in ``seconds``; its drafts come back through
         ``record_shadow_accept``. Its time prices shadow probes; it is not a plain step's (it holds the draft block)."""
-        if not (math.isfinite(seconds) and seconds > 0.0):
-            raise ValueError(f"step seconds must be a finite number > 0, got {seconds}")
+        _check_step_seconds(seconds)
         b = self._bucket(batch_size)
         if b.drafting is not False:
             raise ValueError(f"a shadow step probes a draft-free bucket; bucket {bucket_of(batch_size)} is not one")
@@ -388,8 +398,7 @@ class AdaptiveSpeculation:
         """
         if num_requests < 1:
             raise ValueError(f"a shadow step scores >= 1 request, got {num_requests}")
-        if not (math.isfinite(tokens_per_req) and tokens_per_req >= 1.0):
-            raise ValueError(f"a drafted step commits >= 1 token per request, got {tokens_per_req}")
+        _check_tokens_per_request(tokens_per_req)
         self.accept.add(tokens_per_req, num_requests)
         key = bucket_of(batch_size)
         b = self.buckets.get(key)

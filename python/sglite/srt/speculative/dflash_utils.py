@@ -91,4 +91,3 @@ def committed_tokens(block_ids: torch.Tensor, result: BlockVerifyResult) -> list
     for i, n in enumerate(result.accept_lens.tolist()):
         out.append(block_ids[i, 1 : 1 + n].tolist() + [int(result.bonus_ids[i])])
     return out
-

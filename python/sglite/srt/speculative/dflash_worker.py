@@ -269,16 +269,15 @@ class DFlashWorker(BaseModelWorker):
         drafted = width > 1
         if drafted:  # outside the timed step: the catch-up is the deferred cost of earlier draft-free steps
             self.flush_deferred_kv()
-        shadow_of, self._shadow_batch_size = self._shadow_batch_size, None
+        shadow_of, self._shadow_batch_size = self._shadow_batch_size, None  # set by decode_width for this step only
+        if self.adaptive is None or self._capped(bs):
+            return self._decode_with_draft(batch, slots) if drafted else self._decode_without_draft(batch, slots[:, 0])
+        # The whole step, host to host: every path ends in a .tolist() that waits for the device.
+        start = time.perf_counter()
         if drafted and shadow_of is not None:
-            start = time.perf_counter()
             out = self._decode_shadow(batch, slots, shadow_of)
             self.adaptive.record_shadow(shadow_of, max(time.perf_counter() - start, 1e-9))
             return out
-        if self.adaptive is None or self._capped(bs):
-            return self._decode_with_draft(batch, slots) if drafted else self._decode_without_draft(batch, slots[:, 0])
-        # The whole step, host to host: both paths end in a .tolist() that waits for the device.
-        start = time.perf_counter()
         out = self._decode_with_draft(batch, slots) if drafted else self._decode_without_draft(batch, slots[:, 0])
         seconds = time.perf_counter() - start
         tokens_per_req = 1.0 + sum(self.last_step.accept_lens) / bs if drafted else 1.0
