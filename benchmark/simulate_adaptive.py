@@ -7,8 +7,9 @@ a list, so a policy change can be judged in seconds before it is A/B'd on a real
 - batch 1, fixed step times: each case prints the true gain of always drafting, and the policy's mean over seeds;
 - traffic: ``bench_spec``'s shape (a 1-request warm-up, then requests of up to 64 tokens at a concurrency, most
   running to the limit), with step times that grow with the batch as measured on the default pair (compiled,
-  2-core CPU, sessions 21-22, a 3-token verify): a drafted step costs 1.9 plain steps at batch 1, 2.8 at batch 8
-  and ~3.1 at batch 32, so the batch-size buckets a wave falls through each decide for themselves.
+  2-core CPU, session 23, a 3-token verify, the Q8_0 draft): a drafted step costs 1.5 plain steps at batch 1, 2.9
+  at batch 8 and ~3.6 at batch 32, so the batch-size buckets a wave falls through each decide for themselves.
+  Buckets up to 32 start calibrated (the server's start-up timing) unless ``--no-calibration``.
 
 A probe of a draft-free bucket is a shadow step (plain step + draft block, its drafts scored at once here) unless
 ``--no-shadow-probes`` (every probe a drafted step, the policy before session 23).
@@ -16,6 +17,7 @@ A probe of a draft-free bucket is a shadow step (plain step + draft block, its d
     python benchmark/simulate_adaptive.py                      # the shipped AdaptiveSpecConfig
     python benchmark/simulate_adaptive.py --accept-window 16 --z 2
     python benchmark/simulate_adaptive.py --no-shadow-probes
+    python benchmark/simulate_adaptive.py --no-calibration
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 
 from sglite.srt.speculative.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation, StepKind  # noqa: E402
+from sglite.srt.speculative.step_calibration import calibration_batch_sizes  # noqa: E402
 
 # name -> phases of (per-step tokens to draw from, steps); "mixed" changes regime mid-run
 CASES: dict[str, list[tuple[list[int], int]]] = {
@@ -83,22 +86,26 @@ def simulate(config: AdaptiveSpecConfig, phases: list[tuple[list[int], int]], se
     return SimResult(drafted / steps, tokens / seconds * t_plain)
 
 
-# Seconds of a decode step of b requests on the default pair (compiled, 2-core CPU, a 3-token verify; session 21's
-# server log and session 22's profile: batch 1 0.018 / 0.034 s, batch 8 0.046 / 0.127 s; the draft block 0.0048 s
-# at batch 1). A drafted step verifies W = 3 tokens a request, so its GEMMs have about 3b rows.
+# Seconds of a decode step of b requests on the default pair (compiled, 2-core CPU, a 3-token verify, the draft's
+# linears as Q8_0 blocks; session 23's server logs: batch 1 0.0185 / 0.029 s, batch 8 ~0.040 / ~0.116 s; the draft
+# block 0.0030 s at batch 1). A drafted step verifies W = 3 tokens a request, so its GEMMs have about 3b rows.
+VERIFY_WIDTH = 3
+SERVER_MAX_RUNNING_REQUESTS = 64  # what the calibrated buckets stop at (with calibrate_max_batch_size)
+
+
 def plain_step_seconds(b: int) -> float:
     """A plain decode step of b requests."""
-    return 0.014 + 0.004 * b
+    return 0.0155 + 0.003 * b
 
 
 def drafted_step_seconds(b: int) -> float:
     """A drafted decode step (draft block + verify of 3 tokens a request) of b requests."""
-    return 0.0207 + 0.0133 * b
+    return 0.0166 + 0.0124 * b
 
 
 def draft_block_seconds(b: int) -> float:
     """The draft block alone (what a shadow step adds to a plain one) for b requests."""
-    return 0.004 + 0.0008 * b
+    return 0.003 + 0.0006 * b
 
 
 # name -> (requests, concurrency); each request's committed tokens per drafted step are drawn from TRAFFIC_ACCEPT
@@ -130,10 +137,13 @@ def simulate_traffic(config: AdaptiveSpecConfig, num_requests: int, concurrency:
     request's verify would commit a token count drawn from ``accept``.
 
     A request runs to max_new_tokens, or (one in four) stops early at a seeded length; the time of the same token
-    counts never drafting is the baseline. Prefill is left out (both paths pay it alike).
+    counts never drafting is the baseline. Prefill is left out (both paths pay it alike), and so is the start-up
+    calibration (before the server serves): its buckets start with the step costs at their timed batch sizes.
     """
     rng = random.Random(seed)
-    policy = AdaptiveSpeculation(config)
+    policy = AdaptiveSpeculation(config, max_tokens_per_step=VERIFY_WIDTH)
+    for b in calibration_batch_sizes(SERVER_MAX_RUNNING_REQUESTS, config.calibrate_max_batch_size):
+        policy.calibrate(b, [drafted_step_seconds(b)], [plain_step_seconds(b)])
     lengths = [max_new_tokens if rng.random() < 0.75 else rng.randint(8, max_new_tokens - 1)
                for _ in range(num_requests + 1)]
     kinds: list[bool] = []  # the policy's steps: drafted or not
@@ -169,10 +179,13 @@ def main() -> None:
     p.add_argument("--t-plain", type=float, default=0.10)
     p.add_argument("--t-block", type=float, default=0.027, help="seconds of the draft block alone (a shadow step's extra)")
     p.add_argument("--no-shadow-probes", action="store_true", help="probe a draft-free bucket with drafted steps")
+    p.add_argument("--no-calibration", action="store_true",
+                   help="traffic: no start-up calibration, every bucket measures live (the policy before session 24)")
     p.add_argument("--seeds", type=int, default=40)
     args = p.parse_args()
     config = dataclasses.replace(defaults, accept_window=args.accept_window, z=args.z, margin=args.margin,
-                                 shadow_probes=not args.no_shadow_probes)
+                                 shadow_probes=not args.no_shadow_probes,
+                                 calibrate_max_batch_size=0 if args.no_calibration else defaults.calibrate_max_batch_size)
     print(f"{config}\nt_draft {args.t_draft} s, t_plain {args.t_plain} s, t_block {args.t_block} s, {args.seeds} seeds")
     print(f"{'case':>18} {'always drafting':>16} {'policy':>8} {'drafted':>8}")
     for name, phases in CASES.items():

@@ -71,7 +71,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,10 @@ class AdaptiveSpecConfig:
     # While drafting is off, probe with shadow steps (drafts scored against the target's own next tokens) instead
     # of drafted ones. False: every probe of a draft-free bucket is a drafted step (before session 23).
     shadow_probes: bool = True
+    # Buckets up to this batch size are timed at start-up (``calibrate``: a drafted and a draft-free step on dummy
+    # batches), so they decide as soon as the accept length is known instead of measuring with drafted steps;
+    # 0: none, every bucket measures live (before session 24).
+    calibrate_max_batch_size: int = 32
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ema_alpha <= 1.0:
@@ -115,6 +119,8 @@ class AdaptiveSpecConfig:
             raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
         if not (math.isfinite(self.margin) and self.margin >= 0.0):
             raise ValueError(f"margin must be a finite number >= 0, got {self.margin}")
+        if self.calibrate_max_batch_size < 0:
+            raise ValueError(f"calibrate_max_batch_size must be >= 0, got {self.calibrate_max_batch_size}")
         if not 1 <= self.probe_interval <= self.max_probe_interval:
             raise ValueError(
                 f"need 1 <= probe_interval <= max_probe_interval, got {self.probe_interval}, {self.max_probe_interval}"
@@ -224,8 +230,13 @@ def bucket_of(batch_size: int) -> int:
 class AdaptiveSpeculation:
     """Per batch-size bucket: draft or not, from measured step times and the accept length."""
 
-    def __init__(self, config: Optional[AdaptiveSpecConfig] = None) -> None:
+    def __init__(self, config: Optional[AdaptiveSpecConfig] = None, max_tokens_per_step: Optional[int] = None) -> None:
         self.config = config or AdaptiveSpecConfig()
+        if max_tokens_per_step is not None and max_tokens_per_step < 1:
+            raise ValueError(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
+        # The most a drafted step commits per request (the verify width W: every draft accepted, plus the bonus).
+        # A bucket whose drafted step costs more than W / (1 + margin) plain steps can never pay (None: no bound).
+        self.max_tokens_per_step = max_tokens_per_step
         self.buckets: dict[int, BucketState] = {}
         self.accept = AcceptEstimate(self.config.accept_window)  # committed tokens per request per drafted step
 
@@ -263,19 +274,21 @@ class AdaptiveSpeculation:
         """The choice for bucket ``key`` that its nearest decided and timed neighbours settle, if they do.
 
         A drafted step's cost in plain steps only grows with the batch, so a smaller neighbour's ratio bounds this
-        bucket's from below (when it already loses at the current accept length, so does this one) and a bigger
-        one's from above (when it still pays, so does this one). Between a paying smaller neighbour and a losing
-        bigger one the ratio is interpolated in log2 of the batch, and settles the choice only when the gain it
-        gives is clear of the threshold (``_clear``).
+        bucket's from below (when it already loses at the current accept length, or can never pay, so does this
+        one) and a bigger one's from above (when it still pays, so does this one). Between a paying smaller
+        neighbour and a losing bigger one the ratio is interpolated in log2 of the batch, and settles the choice
+        only when the gain it gives is clear of the threshold (``_clear``).
         """
-        if self.tokens is None:
-            return None
         timed = {
             k: r for k, b in self.buckets.items()
             if k != key and b.drafting is not None and (r := _cost_ratio(b)) is not None
         }
         lower = max((k for k in timed if k < key), default=None)
         upper = min((k for k in timed if k > key), default=None)
+        if lower is not None and self.buckets[lower].warm() and self._ratio_never_pays(timed[lower]):
+            return CostPrior(timed[lower], False, (lower,), self.config.max_probe_interval)
+        if self.tokens is None:
+            return None
         threshold = self.threshold
         if lower is not None and self.tokens / timed[lower] < threshold:
             return CostPrior(timed[lower], False, (lower,), self.buckets[lower].interval)
@@ -321,6 +334,12 @@ class AdaptiveSpeculation:
                 logger.info("adaptive speculation: batch bucket <= %d: its neighbours no longer settle it; measuring", key)
             else:
                 b.prior = prior
+        if b.drafting is None and b.warm():
+            # Calibrated: both step times are known, so the accept length alone decides; before the first drafted
+            # step there is none, and this step measures it.
+            self._judge(key, b, False, "calibrated")
+            if b.drafting is None:
+                return StepKind.DRAFTED
         if b.drafting is None:
             # Measuring: a drafted and a draft-free step in turn (a clear gain shows after two), until both are warm.
             drafts = b.t_draft is None and (b.t_plain is not None or len(b.draft_warmup) <= len(b.plain_warmup))
@@ -331,10 +350,10 @@ class AdaptiveSpeculation:
 
     def _probe_while_off(self, b: BucketState) -> StepKind:
         """A draft-free bucket's probe: a shadow step where only the accept length is in question, a drafted one
-        where the bucket must time drafting to judge (its choice came from neighbours, or its early verdict from
-        one drafted step is no longer clear at the current accept length)."""
-        if not self.config.shadow_probes or self.tokens is None or b.prior is not None:
-            return StepKind.DRAFTED
+        where the bucket must time drafting to judge (its choice came from neighbours, its early verdict from one
+        drafted step is no longer clear at the current accept length, or its cost alone rules drafting out)."""
+        if not self.config.shadow_probes or self.tokens is None or b.prior is not None or self._never_pays(b):
+            return StepKind.DRAFTED  # (a bucket that can never pay probes only to re-time its drafted step)
         if b.t_draft is None:
             gain = self._own_gain(b)
             if gain is None or not self._clear(gain, self.threshold):
@@ -407,6 +426,14 @@ class AdaptiveSpeculation:
 
     def _judge(self, key: int, b: BucketState, probe: bool, how: str) -> None:
         """Decide, confirm or flip the bucket's choice from its own timings and the accept estimate."""
+        if self._never_pays(b):
+            # Off whatever the accept length: probed only at the longest interval, to re-time the drafted step.
+            switched = b.drafting is not False
+            b.drafting, b.prior, b.interval = False, None, self.config.max_probe_interval
+            if switched:
+                b.since_probe = 0
+                self._log_choice(key, b, how + ", can never pay")
+            return
         gain = self._own_gain(b)
         threshold = self.threshold
         if gain is None or not (b.warm() or self._clear(gain, threshold)):
@@ -424,6 +451,36 @@ class AdaptiveSpeculation:
             return
         b.drafting, b.since_probe, b.interval = drafts, 0, self.config.probe_interval
         self._log_choice(key, b, how)
+
+    def _never_pays(self, b: BucketState) -> bool:
+        """Whether the bucket's own warm timings rule drafting out at any accept length (``max_tokens_per_step``)."""
+        return b.warm() and self._ratio_never_pays(b.t_draft / b.t_plain)  # type: ignore[operator]
+
+    def _ratio_never_pays(self, ratio: float) -> bool:
+        """Whether a drafted step of this cost in plain steps loses even when every draft is accepted."""
+        return self.max_tokens_per_step is not None and self.max_tokens_per_step / ratio < self.threshold
+
+    def calibrate(self, batch_size: int, draft_seconds: Sequence[float], plain_seconds: Sequence[float]) -> None:
+        """Start a bucket's step-time EMAs at the medians of drafted and draft-free steps timed before serving.
+
+        The bucket is then warm: it decides as soon as the accept length is known (at once if it can never pay),
+        and its live steps move the EMAs from there.
+        """
+        if not draft_seconds or not plain_seconds:
+            raise ValueError("calibrating a bucket needs at least one drafted and one draft-free step time")
+        for seconds in (*draft_seconds, *plain_seconds):
+            _check_step_seconds(seconds)
+        key = bucket_of(batch_size)
+        b = BucketState(
+            t_draft=float(statistics.median(draft_seconds)), t_plain=float(statistics.median(plain_seconds)),
+            interval=self.config.probe_interval,
+        )
+        self.buckets[key] = b
+        logger.info(
+            "adaptive speculation: batch bucket <= %d calibrated at batch %d: drafted step %.4f s, draft-free %.4f s "
+            "(%.2f plain steps)", key, batch_size, b.t_draft, b.t_plain, b.t_draft / b.t_plain,
+        )
+        self._judge(key, b, False, "calibrated")
 
     def _clear(self, gain: float, threshold: float) -> bool:
         """Whether a gain from provisional costs (few samples, or a neighbours' prior) is clear enough to act on.
@@ -452,8 +509,15 @@ class AdaptiveSpeculation:
         return float(statistics.median(warmup))
 
     def _log_choice(self, key: int, b: BucketState, how: str) -> None:
+        t_draft, t_plain = _seconds(b.t_draft, b.draft_warmup), _seconds(b.t_plain, b.plain_warmup)
+        if self.tokens is None:  # ruled out by its cost alone, before any drafted step
+            logger.info(
+                "adaptive speculation: batch bucket <= %d %s: drafting off (a drafted step costs %.2f plain steps, "
+                "%.4f s vs %.4f s, and commits at most %s tokens a request)",
+                key, how, t_draft / t_plain, t_draft, t_plain, self.max_tokens_per_step,
+            )
+            return
         logger.info(
             "adaptive speculation: batch bucket <= %d %s: drafting %s (accept len %.2f in %.4f s vs 1 in %.4f s: %.2fx)",
-            key, how, "on" if b.drafting else "off", self.tokens,
-            _seconds(b.t_draft, b.draft_warmup), _seconds(b.t_plain, b.plain_warmup), self._own_gain(b),
+            key, how, "on" if b.drafting else "off", self.tokens, t_draft, t_plain, self._own_gain(b),
         )

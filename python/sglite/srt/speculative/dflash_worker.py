@@ -63,6 +63,7 @@ from sglite.srt.speculative.dflash_utils import (
     verify_probs,
 )
 from sglite.srt.speculative.shadow_probe import ShadowProbe
+from sglite.srt.speculative.step_calibration import calibrate_step_costs, calibration_batch_sizes
 from sglite.srt.speculative.spec_info import SpeculativeAlgorithm
 
 logger = logging.getLogger(__name__)
@@ -102,12 +103,17 @@ def create_dflash_worker(
     )
     draft = ModelRunner(server_args, is_draft=True, target_runner=target)
     # The target's resolver already checked that the draft checkpoint is of --speculative-algorithm.
-    return DFlashWorker(
+    adaptive = None
+    if server_args.speculative_adaptive:
+        adaptive = AdaptiveSpeculation(max_tokens_per_step=int(target.spec_aux_config.num_verify_tokens))
+    worker = DFlashWorker(
         target, draft, random_seed=server_args.random_seed, prefill_only=server_args.disaggregation_mode == "prefill",
         ragged_verify_mode=server_args.ragged_verify_mode, cap_threshold=server_args.ragged_verify_cap_threshold,
-        disable_by_batch_size=server_args.speculative_disable_by_batch_size,
-        adaptive=AdaptiveSpeculation() if server_args.speculative_adaptive else None,
+        disable_by_batch_size=server_args.speculative_disable_by_batch_size, adaptive=adaptive,
     )
+    if adaptive is not None and not worker.prefill_only:
+        worker.calibrate_adaptive()
+    return worker
 
 
 class DFlashWorker(BaseModelWorker):
@@ -265,24 +271,45 @@ class DFlashWorker(BaseModelWorker):
                 f"DFLASH decode needs {self.num_decode_tokens_per_req} slots per request (1 without the draft), "
                 f"the batch has {batch.extend_lens}"
             )
-        slots = batch.out_cache_loc.to(self.device, torch.int64).reshape(bs, width)
+        slots = self._slots(batch)
         drafted = width > 1
         if drafted:  # outside the timed step: the catch-up is the deferred cost of earlier draft-free steps
             self.flush_deferred_kv()
         shadow_of, self._shadow_batch_size = self._shadow_batch_size, None  # set by decode_width for this step only
         if self.adaptive is None or self._capped(bs):
-            return self._decode_with_draft(batch, slots) if drafted else self._decode_without_draft(batch, slots[:, 0])
+            return self._decode(batch, slots, drafted)
         # The whole step, host to host: every path ends in a .tolist() that waits for the device.
         start = time.perf_counter()
         if drafted and shadow_of is not None:
             out = self._decode_shadow(batch, slots, shadow_of)
             self.adaptive.record_shadow(shadow_of, max(time.perf_counter() - start, 1e-9))
             return out
-        out = self._decode_with_draft(batch, slots) if drafted else self._decode_without_draft(batch, slots[:, 0])
+        out = self._decode(batch, slots, drafted)
         seconds = time.perf_counter() - start
         tokens_per_req = 1.0 + sum(self.last_step.accept_lens) / bs if drafted else 1.0
         self.adaptive.record(bs, drafted, max(seconds, 1e-9), tokens_per_req)
         return out
+
+    def _decode(self, batch: ScheduleBatch, slots: torch.Tensor, drafted: bool) -> list[list[int]]:
+        """A drafted step in the [bs, W] slots, or a draft-free one in each request's first."""
+        return self._decode_with_draft(batch, slots) if drafted else self._decode_without_draft(batch, slots[:, 0])
+
+    @torch.inference_mode()
+    def calibrate_adaptive(self) -> None:
+        """Start the cost model warm: both kinds of decode step timed per batch-size bucket on dummy batches
+        (``step_calibration``); their K/V lands in the padding slot and their deferred rows are written there."""
+        if self.adaptive is None:
+            raise RuntimeError("calibrate_adaptive needs --speculative-adaptive (the cost model it starts)")
+        sizes = calibration_batch_sizes(self.max_running_requests, self.adaptive.config.calibrate_max_batch_size)
+        calibrate_step_costs(
+            self.adaptive, self, lambda batch, drafted: self._decode(batch, self._slots(batch), drafted),
+            self.flush_deferred_kv, sizes,
+        )
+        self.last_step = None
+
+    def _slots(self, batch: ScheduleBatch) -> torch.Tensor:
+        """The batch's slots as [bs, slots a request] on this device."""
+        return batch.out_cache_loc.to(self.device, torch.int64).reshape(batch.batch_size, -1)
 
     def mixes_decode(self, num_running: int) -> bool:
         """Whether running requests may decode inside a prefill: only while their decode steps skip the draft.

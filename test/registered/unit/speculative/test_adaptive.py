@@ -452,24 +452,104 @@ def test_a_bucket_that_must_time_drafting_probes_with_drafted_steps():
     assert q.next_step(32) is StepKind.DRAFTED
 
 
+def test_a_calibrated_bucket_decides_from_the_accept_length_alone():
+    p = AdaptiveSpeculation(CFG)
+    p.calibrate(1, [0.15, 0.16, 0.14], [0.10, 0.30, 0.10])  # medians 0.15 and 0.10
+    b = p.buckets[1]
+    assert b.warm() and b.drafting is None and (b.t_draft, b.t_plain) == (0.15, 0.10)
+    # No accept length yet: one drafted step samples it, and the warm bucket decides at once.
+    assert step(p, 1, 0.15, 2.0, 0.10) is StepKind.DRAFTED
+    assert b.drafting is True and p.gain(1) == pytest.approx(2.0 * 0.10 / 0.15)
+    # A bucket calibrated once the accept length is known decides before its first step: no measuring steps.
+    p.calibrate(2, [0.30], [0.10])
+    assert p.buckets[2].drafting is False  # 2.0 tokens for 3 plain steps
+    assert step(p, 2, 0.30, 2.0, 0.10) is StepKind.PLAIN
+    assert not (p.buckets[2].draft_warmup or p.buckets[2].plain_warmup)
+
+
+def test_a_bucket_whose_drafted_step_outcosts_a_full_verify_never_drafts_and_only_re_times_it(caplog):
+    caplog.set_level(logging.INFO, logger="sglite.srt.speculative.adaptive")
+    p = AdaptiveSpeculation(CFG, max_tokens_per_step=3)
+    p.calibrate(8, [0.31] * 3, [0.10] * 3)  # 3.1 plain steps: 3 tokens a request at most give 0.97x
+    b = p.buckets[8]
+    assert b.drafting is False and b.interval == CFG.max_probe_interval and p.tokens is None
+    assert "can never pay" in caplog.text
+    kinds = [step(p, 8, 0.31, 2.0, 0.10) for _ in range(400)]
+    # No measuring and no shadow steps: the probes are drafted ones (they re-time the step), as rare as the policy
+    # spaces the longest interval: 16 x 3.1 plain steps, then stretched by the accept length's shortfall.
+    assert StepKind.SHADOW not in kinds
+    at = [i for i, k in enumerate(kinds) if k is StepKind.DRAFTED]
+    assert at[0] == math.ceil(CFG.max_probe_interval * 3.1)
+    assert gaps(kinds, StepKind.DRAFTED)[0] == 1 + math.ceil(CFG.max_probe_interval * 3.1 * 1.05 * 3.1 / 2.0)
+    # Cheaper drafting (2.5 plain steps) is not ruled out: its gain depends on the accept length.
+    q = AdaptiveSpeculation(CFG, max_tokens_per_step=3)
+    q.calibrate(8, [0.25], [0.10])
+    assert q.buckets[8].drafting is None and q.next_step(8) is StepKind.DRAFTED
+
+
+def test_a_bucket_above_one_that_can_never_pay_starts_off_before_any_drafted_step():
+    p = AdaptiveSpeculation(CFG, max_tokens_per_step=3)
+    p.calibrate(8, [0.31], [0.10])
+    assert p.next_step(32) is StepKind.PLAIN
+    prior = p.buckets[32].prior
+    assert prior is not None and prior.sources == (8,) and prior.drafting is False
+    assert p.buckets[32].interval == CFG.max_probe_interval
+    assert p.next_step(4) is StepKind.DRAFTED  # below it, only an upper bound: bucket 4 measures
+
+
+def test_a_bucket_timed_live_that_can_never_pay_probes_at_the_longest_interval():
+    for w, interval in ((3, CFG.max_probe_interval), (None, 2 * CFG.probe_interval)):
+        p = AdaptiveSpeculation(CFG, max_tokens_per_step=w)
+        drive(p, 8, 6, t_draft=0.31, tokens=2.0, t_plain=0.10)  # warm-up: both kinds, then off
+        b = p.buckets[8]
+        assert b.warm() and b.drafting is False
+        b.since_probe = 10**6
+        assert step(p, 8, 0.31, 2.0, 0.10) is (StepKind.DRAFTED if w else StepKind.SHADOW)
+        assert b.interval == interval, w
+
+
+def test_calibration_input_is_checked():
+    p = AdaptiveSpeculation(CFG)
+    with pytest.raises(ValueError, match="at least one drafted and one draft-free"):
+        p.calibrate(1, [], [0.1])
+    with pytest.raises(ValueError, match="step seconds"):
+        p.calibrate(1, [0.1], [0.0])
+    with pytest.raises(ValueError, match="max_tokens_per_step"):
+        AdaptiveSpeculation(CFG, max_tokens_per_step=0)
+    with pytest.raises(ValueError, match="calibrate_max_batch_size"):
+        AdaptiveSpecConfig(calibrate_max_batch_size=-1)
+
+
 # Traffic in phases: a batch size between 1 and 64, an accept length (1 to 5 tokens per request) and a length in
 # steps. A drafted step costs more plain steps the bigger the batch (1.45 at 1, ~11 at 64); step times jitter.
 TRAFFIC = st.lists(st.tuples(st.integers(1, 64), st.floats(1.0, 5.0), st.integers(1, 80)), min_size=1, max_size=12)
 
 
-def replay(phases, seed):
-    """Feed the traffic through a fresh policy; check the invariants after every step; return its choices."""
+def replay(phases, seed, calibrated):
+    """Feed the traffic through a fresh policy (a 5-token verify; buckets up to ``calibrated`` timed first); check
+    the invariants after every step; return its choices."""
     rng = random.Random(seed)
-    p = AdaptiveSpeculation(CFG)
+    p = AdaptiveSpeculation(CFG, max_tokens_per_step=5)
+
+    def times(bs):
+        t_plain = (0.04 + 0.002 * bs) * rng.uniform(0.9, 1.1)
+        return t_plain * (1.3 + 0.15 * bs), t_plain
+
+    for k in (1, 2, 4, 8, 16, 32, 64):
+        if k <= calibrated:
+            t_draft, t_plain = times(k)
+            p.calibrate(k, [t_draft], [t_plain])
     threshold = 1.0 + CFG.margin
     kinds = []
     for bs, tokens, n in phases:
         for _ in range(n):
-            t_plain = (0.04 + 0.002 * bs) * rng.uniform(0.9, 1.1)
-            kinds.append(step(p, bs, t_plain * (1.3 + 0.15 * bs), tokens, t_plain))
+            t_draft, t_plain = times(bs)
+            kinds.append(step(p, bs, t_draft, tokens, t_plain))
             b = p.buckets[bucket_of(bs)]
-            if b.warm():  # a warm bucket's choice is its own timings' verdict, as of its latest step
+            if b.warm() and p.tokens is not None:  # a warm bucket's choice is its own timings' verdict
                 assert b.drafting == (p.gain(bs) >= threshold) and b.prior is None
+            if b.warm() and p.tokens is None:  # before any accept length, only its cost can have ruled it out
+                assert b.drafting is (False if p._never_pays(b) else None)
             if b.prior is not None:  # a choice taken from neighbours names timed, decided buckets
                 assert all(src in p.buckets and p.buckets[src].drafting is not None for src in b.prior.sources)
                 assert b.prior.ratio > 0.0 and bucket_of(bs) not in b.prior.sources
@@ -478,9 +558,9 @@ def replay(phases, seed):
 
 
 @settings(max_examples=100, deadline=None)
-@given(TRAFFIC, st.integers(0, 2**16))
-def test_on_any_traffic_the_policy_keeps_its_invariants_and_is_deterministic(phases, seed):
-    assert replay(phases, seed) == replay(phases, seed)
+@given(TRAFFIC, st.integers(0, 2**16), st.sampled_from([0, 1, 8, 64]))
+def test_on_any_traffic_the_policy_keeps_its_invariants_and_is_deterministic(phases, seed, calibrated):
+    assert replay(phases, seed, calibrated) == replay(phases, seed, calibrated)
 
 
 def test_bad_input_is_a_clear_error():

@@ -819,10 +819,14 @@ def test_a_q8_0_draft_reads_its_blocks_and_stays_lossless(trained):
 
 
 def test_adaptive_policy_measures_and_stays_lossless(trained):
-    """The real cost model on the toy pair: it warms a bucket up (drafted, then draft-free steps), greedy is exact."""
+    """The real cost model on the toy pair, uncalibrated: it warms a bucket up (drafted, then draft-free steps),
+    greedy is exact."""
+    from sglite.srt.speculative.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation
+
     target_dir, tr, target, _ = trained
     prompts = [tr.prompts[0], tr.prompts[3]]
     with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True) as (sched, worker):
+        worker.adaptive = AdaptiveSpeculation(AdaptiveSpecConfig(calibrate_max_batch_size=0))
         run = generate(sched, prompts, [greedy(30), greedy(30)])
         buckets = worker.adaptive.buckets
     for i, p in enumerate(prompts):
@@ -835,6 +839,48 @@ def test_adaptive_policy_measures_and_stays_lossless(trained):
         assert b.draft_warmup or b.plain_warmup, buckets
         assert b.prior is None or set(b.prior.sources) <= set(buckets), buckets
     assert sched.spec_drafted_steps >= 3 and sched.spec_draft_free_steps >= 1
+
+
+def _kv_buffers(worker):
+    """Copies of every K and V buffer of the target and draft pools."""
+    pools = (worker.target_runner.token_to_kv_pool, worker.draft_runner.token_to_kv_pool)
+    return [t.clone() for pool in pools for t in pool.buffers()]
+
+
+def test_adaptive_policy_starts_calibrated_leaves_nothing_behind_and_stays_lossless(trained, caplog):
+    """Start-up calibration: each batch-size bucket the server can reach (max_running_requests 16: buckets 1 to 16)
+    times both kinds of step on dummy batches and starts warm. It touches no K/V but the padding slot's, holds no
+    slot, request row or deferred row afterwards, and the server then decides without measuring steps; greedy is
+    exact."""
+    import logging
+
+    from sglite.srt.speculative.step_calibration import calibration_batch_sizes
+
+    target_dir, tr, target, _ = trained
+    prompts = [tr.prompts[0], tr.prompts[3]]
+    caplog.set_level(logging.INFO, logger="sglite.srt.speculative")
+    with spec_scheduler(target_dir, tr.draft_dir, speculative_adaptive=True) as (sched, worker):
+        policy = worker.adaptive
+        assert calibration_batch_sizes(16, 32) == [1, 2, 3, 6, 12]
+        assert set(policy.buckets) == {1, 2, 4, 8, 16} and policy.max_tokens_per_step == worker.num_decode_tokens_per_req
+        for b in policy.buckets.values():
+            assert b.warm() and not (b.draft_warmup or b.plain_warmup) and b.t_draft > 0 and b.t_plain > 0
+        assert "5 batch-size buckets calibrated" in caplog.text
+        # A second calibration, watched: only slot 0 (the padding) of any pool changes, nothing stays held.
+        free_slots, free_rows = worker.token_to_kv_pool_allocator.available_size(), worker.req_to_token_pool.available_size()
+        before = _kv_buffers(worker)
+        worker.calibrate_adaptive()
+        for old, new in zip(before, _kv_buffers(worker)):
+            assert torch.equal(old[1:], new[1:])
+        assert worker.token_to_kv_pool_allocator.available_size() == free_slots
+        assert worker.req_to_token_pool.available_size() == free_rows
+        assert worker.deferred_context.size == 0 and worker.last_step is None
+        run = generate(sched, prompts, [greedy(30), greedy(30)])
+    for i, p in enumerate(prompts):
+        assert run.ids[f"r{i}"] == target_greedy(target, p, 30)
+    # No bucket measured itself with warm-up steps: every one decided from its calibrated times.
+    assert all(not (b.draft_warmup or b.plain_warmup) for b in policy.buckets.values()), policy.buckets
+    assert sched.spec_drafted_steps >= 1  # the accept length was sampled (the first drafted step)
 
 
 def _draft_kv_of(worker, req):
