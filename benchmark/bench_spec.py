@@ -73,6 +73,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "run (--speculative-disable-by-batch-size 1: what keeping its context K/V costs); the first is "
                         "the baseline")
     p.add_argument("--rounds", type=int, default=2, help="Interleaved rounds (the order flips every round); medians")
+    p.add_argument("--engines-alive-together", action="store_true",
+                   help="start every variant's engine once and alternate the runs between them (one idle engine's "
+                        "scheduler sleeps); default: a fresh engine per variant and round. Together, a round is a "
+                        "run per concurrency seconds apart, so the box's drift over minutes (+-10%% here) and the "
+                        "start-up order cancel out of the ratios")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -121,11 +126,32 @@ def main(argv: Optional[list[str]] = None) -> int:
               "adaptive": {**spec_args, "speculative_adaptive": True},
               "draft-off": {**spec_args, "speculative_adaptive": False, "speculative_disable_by_batch_size": 1}}
     runs: dict[str, dict[int, list]] = {v: {c: [] for c in args.concurrency} for v in args.variants}
-    for r in range(args.rounds):
+
+    def start(name: str):
+        engine = sglite.Engine(**common, **extras[name])
+        try:
+            run_engine(engine, prompts[:1], sampling, 1)  # warm-up
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    if args.engines_alive_together:
+        engines = {}
+        try:
+            for name in args.variants:
+                engines[name] = start(name)
+            for r in range(args.rounds):
+                for c in args.concurrency:
+                    for name in args.variants if r % 2 == 0 else args.variants[::-1]:
+                        runs[name][c].append(run_engine(engines[name], prompts, sampling, c))
+        finally:
+            for engine in engines.values():
+                engine.shutdown()
+    for r in range(0 if args.engines_alive_together else args.rounds):
         for name in args.variants if r % 2 == 0 else args.variants[::-1]:
-            engine = sglite.Engine(**common, **extras[name])
+            engine = start(name)
             try:
-                run_engine(engine, prompts[:1], sampling, 1)  # warm-up
                 for c in args.concurrency:
                     runs[name][c].append(run_engine(engine, prompts, sampling, c))
             finally:
@@ -135,7 +161,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{args.speculative_algorithm} on {args.model_path} + {args.draft_model_path}; token map {token_map}; device {args.device}"
           f"{' (--enable-torch-compile)' if args.enable_torch_compile else ''}; "
           f"{len(prompts)} held-out prompts, greedy, max_new_tokens {args.max_new_tokens}; "
-          f"median of {args.rounds} interleaved rounds; baseline {base_name}")
+          f"median of {args.rounds} interleaved rounds"
+          f"{' (engines alive together)' if args.engines_alive_together else ''}; baseline {base_name}")
     print(f"{'conc':>5} {'variant':>9} {'tok/s':>8} {'vs ' + base_name:>10} {'accept len':>11} {'identical':>10}  rounds tok/s")
     rows = []
     for c in args.concurrency:
