@@ -19,6 +19,10 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   decides earlier, after one step of each kind, when the gain is clear (``clear_band`` from the threshold, with
   an accept estimate over ``accept_window`` requests): at batch 32 on a CPU a drafted step costs ~4.3 plain
   ones, and the two more drafted warm-up steps cost ~6% of a 64-token wave (session 12).
+- A server times its buckets before it serves (``calibrate``, from ``step_calibration.py``): they start warm and
+  decide once any drafted step has sampled ``L``. A warm bucket whose drafted step costs more than ``W / (1 + margin)``
+  plain steps (W: ``max_tokens_per_step``, the verify width) never pays: off whatever ``L`` is, probed at
+  ``max_probe_interval`` with drafted steps only (to re-time it), and the buckets above it start off too.
 - Then it drafts while ``L / t_draft >= (1 + margin) / t_plain``; the margin keeps a draft that is only
   as fast as plain (more work, same speed) off. The same threshold turns drafting off: a lower one (1.0) was
   tried and dropped, since the timed forwards leave out costs a drafted step has beyond them (prompts that
@@ -72,6 +76,8 @@ import statistics
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional, Sequence
+
+from sglite.srt.speculative.accept_estimate import AcceptEstimate
 
 logger = logging.getLogger(__name__)
 
@@ -133,35 +139,6 @@ class StepKind(Enum):
     PLAIN = "plain"  # the target alone: one token a request
     DRAFTED = "drafted"  # draft block + verify of W tokens a request: 1..W tokens a request
     SHADOW = "shadow"  # draft block + the target alone: one token a request, the drafts scored later (a probe)
-
-
-@dataclass
-class AcceptEstimate:
-    """Committed tokens per request per drafted step, counted per request: a running mean over the requests seen
-    that becomes an EMA of weight ``batch_size / window`` once ``window`` requests are in, and its standard error.
-
-    A drafted step of b requests observes b acceptances, so it weighs b: a batch-8 step moves the estimate as far
-    as 8 batch-1 steps (a running mean over steps kept one easy prompt's 3.0 for dozens of batch-8 steps and had a
-    batch-8 bucket draft at a loss). Its mean's variance is the per-request variance over b, so the spread is kept
-    per request (the squared deviation times b).
-    """
-
-    window: int  # requests
-    count: int = 0  # requests seen
-    mean: float = 0.0
-    var_per_request: float = 0.0
-
-    def add(self, sample: float, batch_size: int = 1) -> None:
-        """Fold in one drafted step's mean tokens per request over its ``batch_size`` requests."""
-        self.count += batch_size
-        a = min(1.0, batch_size / min(self.count, self.window))
-        diff = sample - self.mean
-        self.mean += a * diff
-        self.var_per_request = (1.0 - a) * (self.var_per_request + a * batch_size * diff * diff)
-
-    def stderr(self) -> float:
-        """Standard error of the mean; an EMA of per-request weight 1/W averages about 2W - 1 requests."""
-        return math.sqrt(self.var_per_request / min(self.count, 2 * self.window - 1))
 
 
 @dataclass
