@@ -148,14 +148,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         finally:
             for engine in engines.values():
                 engine.shutdown()
-    for r in range(0 if args.engines_alive_together else args.rounds):
-        for name in args.variants if r % 2 == 0 else args.variants[::-1]:
-            engine = start(name)
-            try:
-                for c in args.concurrency:
-                    runs[name][c].append(run_engine(engine, prompts, sampling, c))
-            finally:
-                engine.shutdown()
+    else:
+        for r in range(args.rounds):
+            for name in args.variants if r % 2 == 0 else args.variants[::-1]:
+                engine = start(name)
+                try:
+                    for c in args.concurrency:
+                        runs[name][c].append(run_engine(engine, prompts, sampling, c))
+                finally:
+                    engine.shutdown()
 
     base_name = args.variants[0]
     print(f"{args.speculative_algorithm} on {args.model_path} + {args.draft_model_path}; token map {token_map}; device {args.device}"

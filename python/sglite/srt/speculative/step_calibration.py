@@ -70,9 +70,8 @@ def dummy_decode_batch(worker: Any, batch_size: int, width: int, keys: int) -> S
     )
 
 
-def _step_seconds(decode: DecodeStep, batch: ScheduleBatch, drafted: bool, before: Callable[[], None]) -> float:
+def _step_seconds(decode: DecodeStep, batch: ScheduleBatch, drafted: bool) -> float:
     """Wall seconds of one step, host to host (its outputs are Python lists, so the device has finished)."""
-    before()
     start = time.perf_counter()
     decode(batch, drafted)
     return max(time.perf_counter() - start, 1e-9)
@@ -100,7 +99,9 @@ def calibrate_step_costs(
         timed: dict[bool, list[float]] = {True: [], False: []}
         for rep in range(reps + 1):
             for drafted, batch in ((True, drafted_batch), (False, plain_batch)):
-                seconds = _step_seconds(decode, batch, drafted, flush if drafted else (lambda: None))
+                if drafted:
+                    flush()
+                seconds = _step_seconds(decode, batch, drafted)
                 if rep:  # the first of each kind is a new shape's cold step
                     timed[drafted].append(seconds)
         policy.calibrate(bs, timed[True], timed[False])

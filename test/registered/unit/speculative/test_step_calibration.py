@@ -56,8 +56,8 @@ def test_timed_steps_reach_the_policy_after_a_cold_one_with_the_flush_outside_th
         calls.append(("decode", batch.batch_size, batch.extend_lens[0], drafted))
         return seconds[drafted].pop(0)
 
-    # A step's "seconds" are what the fake decode returns: the flush runs first, outside them.
-    monkeypatch.setattr(step_calibration, "_step_seconds", lambda dec, batch, drafted, before: (before(), dec(batch, drafted))[1])
+    # A step's "seconds" are what the fake decode returns: the flush runs before it, outside them.
+    monkeypatch.setattr(step_calibration, "_step_seconds", lambda dec, batch, drafted: dec(batch, drafted))
     policy = AdaptiveSpeculation(AdaptiveSpecConfig(), max_tokens_per_step=3)
     recorded = []
     monkeypatch.setattr(policy, "calibrate", lambda bs, d, p: recorded.append((bs, list(d), list(p))))
