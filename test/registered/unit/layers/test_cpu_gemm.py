@@ -240,7 +240,8 @@ def test_untimed_weights_take_every_kernel_row_count_and_the_default_pack_limit_
 
 
 def _with_gguf_blocks(module: nn.Module, type_name: str = "Q8_0") -> None:
-    """Give ``module`` a weight quantized by the gguf package, its blocks attached as the GGUF loader does."""
+    """Give ``module`` a weight quantized by the gguf package, its blocks attached as the GGUF loader does (and a
+    random bias: the layer allocates its parameters uninitialized, and leftover memory may hold NaN)."""
     import gguf
 
     from sglite.srt.layers.cpu_gguf_linear import GGUF_LINEAR_TYPES, gguf_weight_from_rows
@@ -250,6 +251,8 @@ def _with_gguf_blocks(module: nn.Module, type_name: str = "Q8_0") -> None:
     module.weight.data.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
     type_id = next(t for t, (name, _) in GGUF_LINEAR_TYPES.items() if name == type_name)
     module.gguf_weight = gguf_weight_from_rows(torch.from_numpy(blocks.copy()), type_id, module.weight.shape[1])
+    if getattr(module, "bias", None) is not None:
+        module.bias.data.copy_(torch.randn_like(module.bias))
 
 
 def test_gguf_blocks_serve_only_their_row_counts_and_the_rest_take_the_fp32_route(monkeypatch):
