@@ -17,8 +17,7 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
 - An unknown bucket measures first: a drafted and a draft-free step in turn, until it has ``warmup_steps`` of
   each; each EMA starts at the median of its warm-up samples (the first step of a new shape may be cold). It
   decides earlier, after one step of each kind, when the gain is clear (``clear_band`` from the threshold, with
-  an accept estimate over ``accept_window`` requests): at batch 32 on a CPU a drafted step costs ~4.3 plain
-  ones, and the two more drafted warm-up steps cost ~6% of a 64-token wave (session 12).
+  an accept estimate over ``accept_window`` requests).
 - A server times its buckets before it serves (``calibrate``, from ``step_calibration.py``): they start warm and
   decide once any drafted step has sampled ``L``. A warm bucket whose drafted step costs more than ``W / (1 + margin)``
   plain steps (W: ``max_tokens_per_step``, the verify width) never pays: off whatever ``L`` is, probed at
@@ -27,30 +26,26 @@ bucket (powers of two), EMAs of the wall time of each kind of step.
   as fast as plain (more work, same speed) off. The same threshold turns drafting off: a lower one (1.0) was
   tried and dropped, since the timed forwards leave out costs a drafted step has beyond them (prompts that
   cannot ride along in its forward), so a timed gain just above 1 is no gain.
-- The path not taken is still probed, one step every ``interval`` steps: while drafting is off, the only
-  way to notice that it started to pay (a repetitive reply, a lighter batch) is to sample the accept length now
-  and then; while it is on, plain timings go stale as contexts grow. While drafting is off a probe is a *shadow*
-  step (``StepKind.SHADOW``, once an accept estimate exists): the draft block runs, the target decodes alone as in
-  a plain step, and the drafts are scored later against the tokens the target goes on to produce, which is the
-  accept length a verify would have found (greedy: the same prefix match; sampled: drafts are point masses, so
-  a draft is accepted with the target's probability of sampling it). It costs a plain step plus the draft block
-  instead of a verify of W tokens a request (at batch 8 on a CPU a drafted probe cost ~2.8 plain steps and
-  committed ~1.8 tokens). It does not re-time the drafted step: the cost ratio stays the last measured one. Each
-  kind of probe has a price, the time it takes beyond plain steps committing the same tokens: ``t_shadow - t_plain``
-  (the draft block) against ``t_draft - L * t_plain``; near break-even the drafted probe is the cheaper (at batch 1
-  on a CPU the draft block is ~0.27 plain steps, a drafted step's loss ~0), so a bucket that has timed a shadow step
-  probes with whichever costs less. A probe that confirms the current choice
-  with confidence (the gain ``z`` standard errors away from the threshold that would flip it) doubles the
-  interval (bounded by ``max_probe_interval``), so a draft that keeps losing costs ever less; a probe that
-  confirms it only within the gain's error keeps the interval (at batch 1, ``uncertain_probe_max_batch``),
-  so a marginal draft is sampled until the estimate settles; a probe that flips the choice resets it. While
-  drafting is off the interval counts plain-step time, not steps: a drafted probe costs ``t_draft / t_plain``
-  plain steps (~3.4 at batch 8 on a CPU, where one such probe per 32 steps cost ~3% of the run), so every
-  bucket spends the same small share of its time probing; a bucket that started off as its neighbours settle it
-  and has not timed a drafted step yet uses their ratio (a lower bound, or an interpolation, of its own). It is
-  also stretched by how far the accept length falls short of paying (drafting pays again only at
-  ``(1 + margin) * t_draft / t_plain``): at batch 32 on a CPU that is ~4.7 against ~2, and a probe per ~40 steps
-  there cost ~2.5% of a 64-token wave.
+- The path not taken is still probed, one step every ``interval`` steps: while drafting is off, the only way to notice
+  that it started to pay (a repetitive reply, a lighter batch) is to sample the accept length now and then; while it
+  is on, plain timings go stale as contexts grow. While drafting is off a probe is a *shadow* step
+  (``StepKind.SHADOW``, once an accept estimate exists): the draft block runs, the target decodes alone as in a plain
+  step, and the drafts are scored later against the tokens the target goes on to produce, which is the accept length a
+  verify would have found (greedy: the same prefix match; sampled: drafts are point masses, so a draft is accepted
+  with the target's probability of sampling it). It costs a plain step plus the draft block instead of a verify of W
+  tokens a request. It does not re-time the drafted step (the cost ratio stays the last measured one). Each kind of
+  probe has a price, its time beyond plain steps committing the same tokens: ``t_shadow - t_plain`` (the draft block)
+  against ``t_draft - L * t_plain``; near break-even the drafted probe is the cheaper (at batch 1 on a CPU the draft
+  block is ~0.27 plain steps, a drafted step's loss ~0), so a bucket that has timed a shadow step probes with
+  whichever costs less. A probe that confirms the current choice with confidence (the gain ``z`` standard errors away
+  from the threshold that would flip it) doubles the interval (up to ``max_probe_interval``); one that confirms it
+  only within the gain's error keeps it (at batch 1, ``uncertain_probe_max_batch``), so a marginal draft is sampled
+  until the estimate settles; one that flips the choice resets it. While drafting is off the interval counts
+  plain-step time, not steps: a drafted probe costs ``t_draft / t_plain`` plain steps (~3.4 at batch 8 on a CPU, where
+  one such probe per 32 steps cost ~3% of the run), so every bucket spends the same small share of its time probing; a
+  bucket that started off as its neighbours settle it and has not timed a drafted step yet uses their ratio (a lower
+  bound, or an interpolation, of its own). It is also stretched by how far the accept length falls short of paying
+  (drafting pays again only at ``(1 + margin) * t_draft / t_plain``).
 - A new bucket skips the measuring when its timed neighbours already settle it. The gain ``L * t_plain / t_draft``
   does not grow with the batch: ``L`` does not depend on it, and a drafted step's relative cost
   ``t_draft / t_plain`` only grows (its W - 1 extra verify tokens per request ride along on weight reads at
@@ -155,6 +150,8 @@ class BucketState:
     prior: Optional["CostPrior"] = None  # what timed neighbours said when this bucket took their choice
     since_probe: int = 0  # steps on the chosen path since the last probe or switch
     interval: int = 0  # steps on the chosen path before the next probe
+    calibrated: bool = False  # its step times were first timed at start-up (``calibrate``)
+    switches: int = 0  # flips of the choice after the first (each is logged; at INFO only the 1st, 2nd, 4th, ...)
 
     def warm(self) -> bool:
         """Both step-time EMAs exist (the bucket can judge from its own timings)."""
@@ -418,7 +415,7 @@ class AdaptiveSpeculation:
         drafts = gain >= threshold
         if b.drafting is None:
             b.drafting = drafts
-            self._log_choice(key, b, "measured" if b.warm() else "measured (clear early)")
+            self._log_choice(key, b, ("calibrated" if b.calibrated else "measured") if b.warm() else "measured (clear early)")
             return
         b.prior = None  # its own timings decide from here on
         if drafts == b.drafting:
@@ -427,7 +424,8 @@ class AdaptiveSpeculation:
                 b.interval = min(2 * b.interval, self.config.max_probe_interval)
             return
         b.drafting, b.since_probe, b.interval = drafts, 0, self.config.probe_interval
-        self._log_choice(key, b, how)
+        b.switches += 1  # a gain at the threshold flips at most probes (bucket 1 of the default pair: ~60 per 32 requests)
+        self._log_choice(key, b, how, b.switches)
 
     def _never_pays(self, b: BucketState) -> bool:
         """Whether the bucket's own warm timings rule drafting out at any accept length (``max_tokens_per_step``)."""
@@ -450,7 +448,7 @@ class AdaptiveSpeculation:
         key = bucket_of(batch_size)
         b = BucketState(
             t_draft=float(statistics.median(draft_seconds)), t_plain=float(statistics.median(plain_seconds)),
-            interval=self.config.probe_interval,
+            interval=self.config.probe_interval, calibrated=True,
         )
         self.buckets[key] = b
         logger.info(
@@ -485,7 +483,7 @@ class AdaptiveSpeculation:
             return None
         return float(statistics.median(warmup))
 
-    def _log_choice(self, key: int, b: BucketState, how: str) -> None:
+    def _log_choice(self, key: int, b: BucketState, how: str, switch: int = 0) -> None:
         t_draft, t_plain = _seconds(b.t_draft, b.draft_warmup), _seconds(b.t_plain, b.plain_warmup)
         if self.tokens is None:  # ruled out by its cost alone, before any drafted step
             logger.info(
@@ -494,7 +492,9 @@ class AdaptiveSpeculation:
                 key, how, t_draft / t_plain, t_draft, t_plain, self.max_tokens_per_step,
             )
             return
-        logger.info(
-            "adaptive speculation: batch bucket <= %d %s: drafting %s (accept len %.2f in %.4f s vs 1 in %.4f s: %.2fx)",
+        logger.log(
+            logging.DEBUG if switch & (switch - 1) else logging.INFO,  # flips: INFO for a bucket's 1st, 2nd, 4th, ...
+            "adaptive speculation: batch bucket <= %d %s: drafting %s (accept len %.2f in %.4f s vs 1 in %.4f s: %.2fx)%s",
             key, how, "on" if b.drafting else "off", self.tokens, t_draft, t_plain, self._own_gain(b),
+            f"; switch {switch}" if switch else "",
         )

@@ -431,6 +431,32 @@ def test_a_calibrated_bucket_decides_from_the_accept_length_alone():
     assert not (p.buckets[2].draft_warmup or p.buckets[2].plain_warmup)
 
 
+def test_a_calibrated_bucket_logs_its_first_choice_as_calibrated(caplog):
+    caplog.set_level(logging.INFO, logger="sglite.srt.speculative.adaptive")
+    p = AdaptiveSpeculation(CFG)
+    p.calibrate(1, [0.15], [0.10])
+    step(p, 1, 0.15, 2.0, 0.10)
+    assert "batch bucket <= 1 calibrated: drafting on" in caplog.text and "measured" not in caplog.text
+    drive(p, 2, 6, t_draft=0.30, tokens=2.0, t_plain=0.10)  # bucket 2 was not calibrated: it measures
+    assert "batch bucket <= 2 measured: drafting off" in caplog.text
+
+
+def test_a_gain_at_the_threshold_flips_often_and_only_switches_1_2_4_8_are_logged_at_info(caplog):
+    """Bucket 1 of the default pair sits at the 1.05 threshold and flips at most probes; each flip is logged, but
+    at INFO only a bucket's 1st, 2nd, 4th, 8th, ... switch, so a server's log is not one line per probe."""
+    caplog.set_level(logging.DEBUG, logger="sglite.srt.speculative.adaptive")
+    p = AdaptiveSpeculation(CFG)
+    rng = random.Random(0)
+    for _ in range(3000):  # step times jitter by +-4% around a gain of exactly 1.05
+        step(p, 1, 0.15 * rng.uniform(0.96, 1.04), 1.575, 0.10 * rng.uniform(0.96, 1.04))
+    switches = p.buckets[1].switches
+    assert switches >= 20
+    logged = [(int(r.getMessage().split("; switch ")[1]), r.levelno) for r in caplog.records if "; switch " in r.getMessage()]
+    assert [n for n, _ in logged] == list(range(1, switches + 1))  # every flip is logged, in order
+    assert [n for n, level in logged if level == logging.INFO] == [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= switches]
+    assert all(level == logging.DEBUG for n, level in logged if n & (n - 1))
+
+
 def test_a_bucket_whose_drafted_step_outcosts_a_full_verify_never_drafts_and_only_re_times_it(caplog):
     caplog.set_level(logging.INFO, logger="sglite.srt.speculative.adaptive")
     p = AdaptiveSpeculation(CFG, max_tokens_per_step=3)
