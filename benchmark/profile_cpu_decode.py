@@ -6,6 +6,7 @@
     python benchmark/profile_cpu_decode.py gemm --shapes 200m --rows 1 8 32 256 1024 [--copies 12] [--dtype bfloat16]
     python benchmark/profile_cpu_decode.py spec-disable --num-prompts 32 --output-len 48
     python benchmark/profile_cpu_decode.py spec-step [--enable-torch-compile]
+    python benchmark/profile_cpu_decode.py context-write --rows 1 4 16 256
 
 ``step``: 32-token random prompts, one prefill, 12 decode steps; prints the median ``time.process_time``
 per step (steady on a shared box, unlike wall time). ``--no-pack`` skips cpu_gemm's packed copies (the
@@ -18,6 +19,9 @@ and up to 16 rows sglite's small-M kernel (``layers/cpu_small_m.py``); ``--dtype
 pack only, in bf16.
 ``spec-step``: where a DFLASH step's CPU time goes at batch 1 on the default pair (random-token prompts,
 greedy): the draft block, the target's verify, acceptance, the context K/V write, and the whole step.
+``context-write``: the default draft's whole context K/V write (what a prompt, a drafted step's accepted rows and a
+deferred catch-up cost the draft) per row count, through its fp32 weights and through the bf16 copies the server
+takes from ``BF16_PROJECTION_MIN_ROWS`` rows on a CPU with bf16 dot products (``layers/cpu_bf16_projection.py``).
 ``spec-disable``: an in-process Scheduler on the toy pair (or
 ``--model-path`` / ``--draft-model-path``, e.g. the SmolLM2 GGUF and ``python/sglite/assets/smollm2_draft``),
 greedy, plain vs DFLASH with ``--speculative-disable-by-batch-size 1`` (never drafts) vs DFLASH vs
@@ -366,6 +370,52 @@ def spec_disable(args: argparse.Namespace) -> None:
         print(f"{k:>9}: {' '.join(f'{t:.2f}' for t in secs[k])} CPU s; same tokens as {kinds[0]}: {outs[k] == outs[kinds[0]]}")
 
 
+def context_write(args: argparse.Namespace) -> None:
+    """Microseconds of the default draft's whole context K/V write per row count, fp32 route vs bf16 copies."""
+    import sglite.srt.models.dflash as dflash_model
+    from sglite.srt.default_model import DEFAULT_DRAFT_DIR, default_model_path
+    from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
+    from sglite.srt.runtime_context import ParallelState, scoped
+    from sglite.srt.server_args import ServerArgs
+    from sglite.srt.speculative.dflash_worker import create_dflash_worker
+
+    sa = ServerArgs(model_path=args.model_path or default_model_path(), speculative_algorithm="DFLASH",
+                    speculative_draft_model_path=DEFAULT_DRAFT_DIR, device="cpu").validate()
+    shipped_min_rows = dflash_model.BF16_PROJECTION_MIN_ROWS
+    with scoped(parallel=ParallelState(tp_size=1)), torch.inference_mode():
+        try:
+            worker = create_dflash_worker(sa)
+            draft, pool = worker.draft_model, worker.draft_runner.token_to_kv_pool
+            if draft.fc_bf16 is None:
+                draft.project_context_in_bf16()  # not native here: timed anyway, through oneDNN's emulation
+                print("note: this CPU has no bf16 dot products; the server keeps the fp32 route")
+            width = len(draft.target_layer_ids) * draft.config.hidden_size
+            print(f"whole context K/V write of the default draft ({len(draft.layers)} layers, {width}-wide features), "
+                  f"best of 3 x {args.calls} calls; the server takes the bf16 copies from {shipped_min_rows} rows")
+            print(f"{'rows':>5} {'fp32 us':>9} {'bf16 us':>9} {'bf16/fp32':>10} {'fp32 us/row':>12} {'bf16 us/row':>12}")
+            for rows in args.rows:
+                feats = torch.randn(rows, width) * 20
+                positions, slots = torch.arange(rows) + 16, torch.arange(rows) + 1
+
+                def best_us(min_rows: int) -> float:
+                    dflash_model.BF16_PROJECTION_MIN_ROWS = min_rows  # which route fuse_context / context_kv take
+                    for _ in range(5):
+                        draft.write_context_kv(feats, positions, slots, pool)
+                    rounds = []
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        for _ in range(args.calls):
+                            draft.write_context_kv(feats, positions, slots, pool)
+                        rounds.append((time.perf_counter() - t0) / args.calls * 1e6)
+                    return min(rounds)
+
+                fp32, bf16 = best_us(1 << 62), best_us(1)
+                print(f"{rows:>5} {fp32:>9.0f} {bf16:>9.0f} {bf16 / fp32:>10.2f} {fp32 / rows:>12.1f} {bf16 / rows:>12.1f}")
+        finally:
+            dflash_model.BF16_PROJECTION_MIN_ROWS = shipped_min_rows
+            destroy_parallel_runtime()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Parse the sub-command and run it."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -415,8 +465,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     d.add_argument("--kinds", nargs="+", default=["plain", "disabled", "dflash"],
                    choices=("plain", "disabled", "dflash", "adaptive"))
     d.add_argument("--enable-torch-compile", action="store_true", help="every kind with the flag")
+    w = sub.add_parser("context-write")
+    w.add_argument("--model-path", default=None, help="target; default: the default model's GGUF")
+    w.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16, 64, 256])
+    w.add_argument("--calls", type=int, default=50)
     args = p.parse_args(argv)
-    {"step": step, "compiled": compiled, "gemm": gemm, "spec-disable": spec_disable, "spec-step": spec_step}[args.cmd](args)
+    {"step": step, "compiled": compiled, "gemm": gemm, "spec-disable": spec_disable, "spec-step": spec_step,
+     "context-write": context_write}[args.cmd](args)
     return 0
 
 

@@ -157,7 +157,8 @@ class ServerArgs:
     )
     speculative_draft_model_quantization: Optional[str] = _opt(
         "DFLASH/DSPARK on CPU: q8_0 rounds the draft's linear weights to GGUF Q8_0 blocks at load, which the GGUF "
-        "kernel reads at decode sizes (about a quarter of the fp32 bytes a draft block streams). Output is unchanged "
+        "kernel reads at decode sizes (about a quarter of the fp32 bytes a draft block streams), and on a CPU with "
+        "bf16 dot products its context writes of 4+ rows project in bf16. Output is unchanged "
         "(the target verifies every draft). Default: q8_0 for the bundled draft on a CPU whose GGUF kernel is built, "
         "none otherwise",
         None, DRAFT_MODEL_QUANTIZATIONS,

@@ -38,11 +38,24 @@ def cxx_compiler() -> Optional[str]:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
+def _cpuinfo_lines() -> Optional[list[str]]:
+    """/proc/cpuinfo's lines (None where there is none: not Linux)."""
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The host CPU's feature flags as /proc/cpuinfo lists them (``avx512_bf16``, ...); empty where it cannot say."""
+    lines = _cpuinfo_lines() or []
+    return frozenset(flag for ln in lines if ln.startswith("flags") for flag in ln.partition(":")[2].split())
+
+
 def _cpu_identity() -> bytes:
     """The host CPU's model and feature flags (-march=native builds for them), where /proc/cpuinfo says."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    lines = _cpuinfo_lines()
+    if lines is None:
         return platform.processor().encode()
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
 

@@ -20,6 +20,7 @@ from sglite.srt.distributed.bootstrap import init_parallel_runtime
 from sglite.srt.distributed.parallel_state import GroupCoordinator, get_attn_dp_peer_group, get_tp_group
 from sglite.srt.layers.attention.registry import create_attention_backend
 from sglite.srt.layers.attention.cpu_paged_attention import start_building_paged_attention_kernel
+from sglite.srt.layers.cpu_bf16_projection import BF16_PROJECTION_MIN_ROWS, bf16_gemm_is_native
 from sglite.srt.layers.cpu_gemm import PackChoice, pack_weights_for_cpu, prepare_cpu_gemm
 from sglite.srt.layers.hot_vocab_head import load_token_map
 from sglite.srt.layers.logits_processor import LogitsProcessorOutput
@@ -123,6 +124,12 @@ class ModelRunner:
             server_args.speculative_draft_model_quantization, path, self.device
         ) == "q8_0":  # before packing: the blocks are what the pack routes rows to
             quantize_linears_to_q8_0(self.model)
+            if bf16_gemm_is_native() and hasattr(self.model, "project_context_in_bf16"):
+                # The same trade as the Q8_0 rounding (drafts may move, output cannot): the context writes a
+                # draft-free step still owes the draft cost half as much.
+                copies = self.model.project_context_in_bf16()
+                logger.info("Draft context writes of >= %d rows project in bf16 (the CPU has bf16 dot products; "
+                            "copies %.1f MB)", BF16_PROJECTION_MIN_ROWS, copies / 2**20)
         # The CPU pack layout and the small-M kernel's row counts are facts of the host, timed once on the target's
         # weights: a draft (too few layers to time past the caches) packs like its target.
         self.cpu_pack: Optional[PackChoice] = None

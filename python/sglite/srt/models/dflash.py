@@ -20,6 +20,7 @@ from torch import nn
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig
 from sglite.srt.distributed.parallel_state import GroupCoordinator
+from sglite.srt.layers.cpu_bf16_projection import BF16_PROJECTION_MIN_ROWS, Bf16Projection
 from sglite.srt.layers.hot_vocab_head import HotVocabHead
 from sglite.srt.layers.layernorm import RMSNorm
 from sglite.srt.layers.linear import ReplicatedLinear
@@ -47,13 +48,20 @@ class DFlashAttention(LlamaAttention):
     ) -> None:
         bias = config.attention_bias
         super().__init__(config, layer_id, tp_group, qkv_bias=bias, o_bias=bias, qk_norm=True, params_dtype=params_dtype)
+        self.context_kv_bf16: Optional[Bf16Projection] = None  # the K/V rows in bf16 (DFlashDraftModel.project_context_in_bf16)
+
+    def _context_kv_rows(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The K and V rows of the fused qkv weight (and bias): a context vector needs no query."""
+        q_size = self.qkv_proj.q_size
+        return self.qkv_proj.weight[q_size:], None if self.qkv_proj.bias is None else self.qkv_proj.bias[q_size:]
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K [n, Hkv, D] (k_norm, RoPE) and V [n, Hkv, D] of fused context vectors (no query is computed)."""
-        q_size = self.qkv_proj.q_size
-        w = self.qkv_proj.weight[q_size:]
-        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[q_size:]
-        k, v = F.linear(context, w, b).split([self.qkv_proj.kv_size, self.qkv_proj.v_size], dim=-1)
+        if self.context_kv_bf16 is not None and context.shape[0] >= BF16_PROJECTION_MIN_ROWS:
+            kv = self.context_kv_bf16(context)
+        else:
+            kv = F.linear(context, *self._context_kv_rows())
+        k, v = kv.split([self.qkv_proj.kv_size, self.qkv_proj.v_size], dim=-1)
         k = self._norm_heads(self.k_norm, k)
         _, k = self.rotary_emb(positions, k, k)
         n = context.shape[0]
@@ -139,6 +147,7 @@ class DFlashDraftModel(nn.Module):
         self._target: Optional[tuple[VocabParallelEmbedding, ParallelLMHead, LogitsProcessor]] = None
         # --speculative-token-map: drafts come from these rows of the target head only (restrict_draft_vocab).
         self.hot_head: Optional[HotVocabHead] = None
+        self.fc_bf16: Optional[Bf16Projection] = None  # fc in bf16 for wide context writes (project_context_in_bf16)
 
     # ------------------------------------------------------------------ target head
     def attach_target_head(
@@ -202,7 +211,19 @@ class DFlashDraftModel(nn.Module):
                 f"target features have width {aux_hidden.shape[-1]}, the draft's fc expects {expected} "
                 f"({len(self.target_layer_ids)} layers x {self.config.hidden_size})"
             )
-        return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
+        x = aux_hidden.to(self.fc.weight.dtype)
+        wide = self.fc_bf16 is not None and x.shape[0] >= BF16_PROJECTION_MIN_ROWS
+        return self.hidden_norm(self.fc_bf16(x) if wide else self.fc(x))
+
+    def project_context_in_bf16(self) -> int:
+        """Project wide context writes (``fc``, each layer's K/V rows) through bf16 copies of the weights as they
+        are now (``layers/cpu_bf16_projection.py``); returns the bytes of the copies."""
+        if self.fc.weight.dtype != torch.float32 or self.fc.weight.device.type != "cpu":
+            raise ValueError(f"bf16 context projections copy fp32 CPU weights, not {self.fc.weight.dtype} on {self.fc.weight.device}")
+        self.fc_bf16 = Bf16Projection(self.fc.weight)
+        for layer in self.layers:
+            layer.self_attn.context_kv_bf16 = Bf16Projection(*layer.self_attn._context_kv_rows())
+        return self.fc_bf16.nbytes() + sum(layer.self_attn.context_kv_bf16.nbytes() for layer in self.layers)
 
     @torch.no_grad()
     def write_context_kv(

@@ -23,3 +23,13 @@ def test_a_header_change_rebuilds_the_kernels_that_include_it(monkeypatch, tmp_p
         f.write("\n// a changed header\n")
     second = build_cpu_library(src / "small_m_linear.cpp", BASE_FLAGS)
     assert second != first and second.exists() and first.exists()
+
+
+def test_cpu_flags_are_the_flags_lines_of_cpuinfo(monkeypatch):
+    from sglite.srt.layers import cpu_kernel_build
+
+    lines = ["processor\t: 0", "flags\t\t: fpu avx512f avx512_bf16", "processor\t: 1", "flags\t\t: fpu avx512f avx512_bf16"]
+    monkeypatch.setattr(cpu_kernel_build, "_cpuinfo_lines", lambda: lines)
+    assert cpu_kernel_build.cpu_flags() == frozenset({"fpu", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(cpu_kernel_build, "_cpuinfo_lines", lambda: None)  # no /proc/cpuinfo: nothing to claim
+    assert cpu_kernel_build.cpu_flags() == frozenset()

@@ -116,3 +116,45 @@ def test_optional_scales_match_reference(pair, one_rank, tmp_path):
     ref_logits = ref.compute_logits(ref_h, _output_head(target))
     torch.testing.assert_close(out.next_token_logits, ref_logits, atol=1e-4, rtol=0)
     assert float(out.next_token_logits.abs().max()) <= 3.0  # soft-capped
+
+
+@torch.no_grad()
+def test_bf16_context_projection_moves_wide_writes_by_bf16_rounding_only(pair, one_rank):
+    """project_context_in_bf16: writes of >= BF16_PROJECTION_MIN_ROWS rows (a deferred catch-up, a prompt) take the
+    bf16 copies, within bf16 rounding of the fp32 route; narrower ones (a drafted step's accepted rows) keep it."""
+    from sglite.srt.layers.cpu_bf16_projection import BF16_PROJECTION_MIN_ROWS
+    from sglite.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    target_dir, draft_dir = pair
+    target, _ = load_reference_pair(target_dir, draft_dir)
+    exact, rounded = load_sglite_draft(draft_dir, target), load_sglite_draft(draft_dir, target)
+    copies = rounded.project_context_in_bf16()
+    cfg = exact.config
+    kv_weights = sum(layer.self_attn.qkv_proj.weight[layer.self_attn.qkv_proj.q_size:].numel() for layer in exact.layers)
+    assert copies == 2 * (exact.fc.weight.numel() + kv_weights)  # bf16 bytes; the tiny draft has no biases
+    g = torch.Generator().manual_seed(5)
+    for rows in (BF16_PROJECTION_MIN_ROWS - 1, BF16_PROJECTION_MIN_ROWS, 40):
+        feats = torch.randn(rows, 2 * 64, generator=g) * 4
+        pools = [MHATokenToKVPool(64, 1, torch.float32, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim,
+                                  cfg.num_hidden_layers, "cpu") for _ in range(2)]
+        slots, positions = torch.arange(1, rows + 1), torch.arange(rows) + 3
+        exact.write_context_kv(feats, positions, slots, pools[0])
+        rounded.write_context_kv(feats, positions, slots, pools[1])
+        for layer in range(cfg.num_hidden_layers):
+            for get in ("get_key_buffer", "get_value_buffer"):
+                want, got = getattr(pools[0], get)(layer)[slots], getattr(pools[1], get)(layer)[slots]
+                if rows < BF16_PROJECTION_MIN_ROWS:
+                    assert torch.equal(got, want)
+                else:
+                    rel = float((got - want).norm() / want.norm())
+                    assert 0.0 < rel < 2e-2, (rows, layer, get, rel)
+
+
+def test_bf16_context_projection_copies_fp32_cpu_weights_only(pair, one_rank):
+    target_dir, draft_dir = pair
+    target, _ = load_reference_pair(target_dir, draft_dir)
+    draft = load_sglite_draft(draft_dir, target)
+    # Only fc's weight: Module.to() would also cast the rotary tables get_rope shares between models.
+    draft.fc.weight.data = draft.fc.weight.data.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="copy fp32 CPU weights"):
+        draft.project_context_in_bf16()

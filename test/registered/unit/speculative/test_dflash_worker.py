@@ -795,21 +795,29 @@ def test_a_shadow_step_scores_its_drafts_as_a_verify_would_and_stays_lossless(tr
     assert policy.shadow_scores and all(bs >= n >= 1 and t >= 1.0 for bs, t, n in policy.shadow_scores)
 
 
-def test_a_q8_0_draft_reads_its_blocks_and_stays_lossless(trained):
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_a_q8_0_draft_reads_its_blocks_and_stays_lossless(trained, monkeypatch, native_bf16):
     """--speculative-draft-model-quantization q8_0: the draft's linears carry Q8_0 blocks the GGUF kernel reads at
     decode sizes (beside an fp32 target that has none), greedy output is still the target's, and the rounded
-    draft is still accepted."""
+    draft is still accepted. Where the CPU has bf16 dot products, its wide context writes also project in bf16."""
+    from sglite.srt.layers.cpu_gemm import available_pack_layouts
     from sglite.srt.layers.cpu_gguf_linear import gguf_kernel_available
+    from sglite.srt.model_executor import model_runner
 
     if not gguf_kernel_available():
         pytest.skip("the GGUF kernel is not built here")
+    if native_bf16 and "onednn" not in available_pack_layouts(torch.bfloat16):
+        pytest.skip("this torch build packs no bf16 weights")
+    monkeypatch.setattr(model_runner, "bf16_gemm_is_native", lambda: native_bf16)  # (emulated where it is not)
     target_dir, tr, target, _ = trained
     prompts = [tr.prompts[0], tr.prompts[2]]
     with spec_scheduler(target_dir, tr.draft_dir, speculative_draft_model_quantization="q8_0") as (sched, worker):
         draft_linears = [m for m in worker.draft_model.modules() if getattr(m, "packed_weight", None) is not None]
         target_linears = [m for m in worker.target_model.modules() if getattr(m, "packed_weight", None) is not None]
+        projections = [worker.draft_model.fc_bf16] + [la.self_attn.context_kv_bf16 for la in worker.draft_model.layers]
         run = generate(sched, prompts, [greedy(24), greedy(24)])
         verify_total, accepted_total = sched.spec_verify_total, sched.spec_accepted_total
+    assert all(p is not None for p in projections) if native_bf16 else all(p is None for p in projections)
     assert draft_linears and all(m.packed_weight.gguf.type_name == "Q8_0" for m in draft_linears)
     assert all(m.packed_weight.gguf_rows for m in draft_linears)
     assert target_linears and all(m.packed_weight.gguf is None for m in target_linears)
