@@ -372,7 +372,7 @@ def spec_disable(args: argparse.Namespace) -> None:
 
 def context_write(args: argparse.Namespace) -> None:
     """Microseconds of the default draft's whole context K/V write per row count, fp32 route vs bf16 copies."""
-    import sglite.srt.models.dflash as dflash_model
+    import sglite.srt.layers.cpu_bf16_projection as bf16_projection
     from sglite.srt.default_model import DEFAULT_DRAFT_DIR, default_model_path
     from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
     from sglite.srt.runtime_context import ParallelState, scoped
@@ -381,7 +381,7 @@ def context_write(args: argparse.Namespace) -> None:
 
     sa = ServerArgs(model_path=args.model_path or default_model_path(), speculative_algorithm="DFLASH",
                     speculative_draft_model_path=DEFAULT_DRAFT_DIR, device="cpu").validate()
-    shipped_min_rows = dflash_model.BF16_PROJECTION_MIN_ROWS
+    shipped_min_rows = bf16_projection.BF16_PROJECTION_MIN_ROWS
     with scoped(parallel=ParallelState(tp_size=1)), torch.inference_mode():
         try:
             worker = create_dflash_worker(sa)
@@ -398,7 +398,7 @@ def context_write(args: argparse.Namespace) -> None:
                 positions, slots = torch.arange(rows) + 16, torch.arange(rows) + 1
 
                 def best_us(min_rows: int) -> float:
-                    dflash_model.BF16_PROJECTION_MIN_ROWS = min_rows  # which route fuse_context / context_kv take
+                    bf16_projection.BF16_PROJECTION_MIN_ROWS = min_rows  # which route fuse_context / context_kv take
                     for _ in range(5):
                         draft.write_context_kv(feats, positions, slots, pool)
                     rounds = []
@@ -412,7 +412,7 @@ def context_write(args: argparse.Namespace) -> None:
                 fp32, bf16 = best_us(1 << 62), best_us(1)
                 print(f"{rows:>5} {fp32:>9.0f} {bf16:>9.0f} {bf16 / fp32:>10.2f} {fp32 / rows:>12.1f} {bf16 / rows:>12.1f}")
         finally:
-            dflash_model.BF16_PROJECTION_MIN_ROWS = shipped_min_rows
+            bf16_projection.BF16_PROJECTION_MIN_ROWS = shipped_min_rows
             destroy_parallel_runtime()
 
 

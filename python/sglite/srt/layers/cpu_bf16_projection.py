@@ -48,6 +48,11 @@ class Bf16Projection:
         self.packed = pack_weight(weight.detach().to(torch.bfloat16), "onednn")
         self.bias = None if bias is None else bias.detach().float().clone()
 
+    @staticmethod
+    def serves(rows: int) -> bool:
+        """Whether a projection of this many rows takes the bf16 copy (``BF16_PROJECTION_MIN_ROWS``)."""
+        return rows >= BF16_PROJECTION_MIN_ROWS
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The projection of ``x`` (any leading shape), in fp32."""
         out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "").float()

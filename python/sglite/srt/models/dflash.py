@@ -20,7 +20,7 @@ from torch import nn
 
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig
 from sglite.srt.distributed.parallel_state import GroupCoordinator
-from sglite.srt.layers.cpu_bf16_projection import BF16_PROJECTION_MIN_ROWS, Bf16Projection
+from sglite.srt.layers.cpu_bf16_projection import Bf16Projection
 from sglite.srt.layers.hot_vocab_head import HotVocabHead
 from sglite.srt.layers.layernorm import RMSNorm
 from sglite.srt.layers.linear import ReplicatedLinear
@@ -57,7 +57,7 @@ class DFlashAttention(LlamaAttention):
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K [n, Hkv, D] (k_norm, RoPE) and V [n, Hkv, D] of fused context vectors (no query is computed)."""
-        if self.context_kv_bf16 is not None and context.shape[0] >= BF16_PROJECTION_MIN_ROWS:
+        if self.context_kv_bf16 is not None and self.context_kv_bf16.serves(context.shape[0]):
             kv = self.context_kv_bf16(context)
         else:
             kv = F.linear(context, *self._context_kv_rows())
@@ -212,7 +212,7 @@ class DFlashDraftModel(nn.Module):
                 f"({len(self.target_layer_ids)} layers x {self.config.hidden_size})"
             )
         x = aux_hidden.to(self.fc.weight.dtype)
-        wide = self.fc_bf16 is not None and x.shape[0] >= BF16_PROJECTION_MIN_ROWS
+        wide = self.fc_bf16 is not None and self.fc_bf16.serves(x.shape[0])
         return self.hidden_norm(self.fc_bf16(x) if wide else self.fc(x))
 
     def project_context_in_bf16(self) -> int:

@@ -60,3 +60,10 @@ def test_bf16_is_native_where_the_cpu_has_bf16_dot_products_and_onednn_packs_bf1
     monkeypatch.setattr(cpu_bf16_projection, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(cpu_bf16_projection, "available_pack_layouts", lambda dtype: layouts)
     assert bf16_gemm_is_native() is native
+
+
+def test_the_copy_serves_projections_from_the_floor_up(monkeypatch):
+    floor = cpu_bf16_projection.BF16_PROJECTION_MIN_ROWS
+    assert not Bf16Projection.serves(floor - 1) and Bf16Projection.serves(floor) and Bf16Projection.serves(256)
+    monkeypatch.setattr(cpu_bf16_projection, "BF16_PROJECTION_MIN_ROWS", 1)  # read at call time (the benchmark's A/B)
+    assert Bf16Projection.serves(1)
