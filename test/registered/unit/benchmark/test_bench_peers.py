@@ -53,3 +53,23 @@ def test_sglite_gguf_is_counted_at_the_bytes_of_its_blocks(bench, tmp_path, caps
     assert out["vllm"] == pytest.approx(10.0) and out["sglite-gguf"] == pytest.approx(blocks * 10.0 / 1e9)
     assert "reads the file's blocks instead" in capsys.readouterr().out
     assert bench.server_cmd("sglite-gguf", hf_dir, gguf, 1234, 1)[4] == gguf  # it serves the file itself
+
+
+def test_peer_venvs_come_from_flags_and_a_missing_one_is_named(bench, tmp_path):
+    venv = tmp_path / "vllm_venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    before = (bench.PEERS_VENV, bench.LLAMA_VENV)
+    try:
+        bench.set_peer_venvs(str(venv), str(tmp_path / "llama_venv"))
+        assert bench.engine_python("vllm") == str(venv / "bin" / "python")
+        assert bench.engine_python("ct2") == str(venv / "bin" / "python")
+        assert bench.engine_python("llamacpp") == str(tmp_path / "llama_venv" / "bin" / "python")
+        # A missing venv stops the run before any model is built, naming the flag that sets it.
+        work = tmp_path / "work"
+        with pytest.raises(SystemExit, match="--llama-venv"):
+            bench.main(["--model", "smollm2", "--engines", "llamacpp", "--llama-venv", str(tmp_path / "none"),
+                        "--work-dir", str(work)])
+        assert not work.exists()
+    finally:
+        bench.set_peer_venvs(*before)
