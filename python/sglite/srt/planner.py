@@ -85,16 +85,12 @@ def _attn_params_per_rank(mc: ModelConfig, kind: AttentionKind, attn_tp: int) ->
 
 def _mlp_params(mc: ModelConfig, layer: int) -> tuple[float, float]:
     """(dense params, expert params) of one layer's MLP, whole model (before sharding)."""
-    text = mc.hf_config.get("text_config") or mc.hf_config
-    h = mc.hidden_size
-    experts = text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts")
-    first_dense = int(text.get("first_k_dense_replace") or 0)
-    if not experts or layer < first_dense:
+    h, moe = mc.hidden_size, mc.moe
+    if moe is None or not moe.is_sparse_layer(layer):
         return 3.0 * h * mc.intermediate_size, 0.0
-    moe_inter = text.get("moe_intermediate_size") or mc.intermediate_size
-    shared = 3.0 * h * moe_inter * int(text.get("n_shared_experts") or 0)
-    shared += 3.0 * h * int(text.get("shared_expert_intermediate_size") or 0)
-    return shared + h * experts, 3.0 * h * moe_inter * experts
+    shared = 3.0 * h * moe.moe_intermediate_size * moe.num_shared_experts
+    shared += 3.0 * h * moe.shared_expert_intermediate_size
+    return shared + h * moe.num_experts, 3.0 * h * moe.moe_intermediate_size * moe.num_experts
 
 
 def estimate_weight_bytes_per_rank(
@@ -249,7 +245,7 @@ def plan_rank(
     ``hot_vocab_size``: the ids of --speculative-token-map (plan_topology loads and checks the map once).
     """
     sa = server_args
-    par = ParallelState(sa.tp_size, sa.dp_size, sa.enable_dp_attention, sa.attn_cp_size, sa.pp_size)
+    par = ParallelState(sa.tp_size, sa.dp_size, sa.enable_dp_attention, sa.attn_cp_size, sa.pp_size, sa.ep_size)
     model_dtype = resolve_model_dtype(sa.dtype, model_config)
     if sa.speculative_algorithm is not None:
         check_attn_cp_supported(par.attn_cp_size)  # the runtime's own refusal (its layers call it)

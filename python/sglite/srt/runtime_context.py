@@ -88,8 +88,10 @@ class ParallelState:
         enable_dp_attention: bool = False,
         attn_cp_size: int = 1,
         pp_size: int = 1,
+        ep_size: int = 1,
     ) -> None:
         self.tp_size = tp_size
+        self.ep_size = ep_size  # MoE experts split over this many ranks of the TP group
         self.dp_size = dp_size
         self.enable_dp_attention = enable_dp_attention
         self.attn_cp_size = attn_cp_size
@@ -134,6 +136,7 @@ class ParallelState:
             "enable_dp_attention": self.enable_dp_attention,
             "attn_cp_size": self.attn_cp_size,
             "pp_size": self.pp_size,
+            "ep_size": self.ep_size,
         }
         out.update({k: v for k, v in self._live.items() if not k.endswith("_group")})
         return out

@@ -98,6 +98,10 @@ class ServerArgs:
     enable_dp_attention: bool = _opt("Run attention data-parallel (attn_tp = tp / dp) and the MLP at tp", False)
     attn_cp_size: int = _opt("Attention context-parallel size", 1)
     pp_size: int = _opt("Pipeline-parallel size (only 1 is supported)", 1)
+    ep_size: int = _opt(
+        "Expert-parallel size of MoE layers: experts split over this many ranks of the TP group (it must divide "
+        "--tp-size); the rest of the TP width splits each expert", 1,
+    )
     dist_init_addr: Optional[str] = _opt("host:port for torch.distributed rendezvous; default: a free local port")
     dist_timeout: int = _opt("Seconds before a distributed init or collective gives up", 60)
     load_balance_method: str = _opt(
@@ -201,6 +205,10 @@ class ServerArgs:
         _require(self.tp_size >= 1, "--tp-size must be >= 1")
         _require(self.dp_size >= 1, "--dp-size must be >= 1")
         _require(self.attn_cp_size >= 1, "--attn-cp-size must be >= 1")
+        _require(
+            self.ep_size >= 1 and self.tp_size % self.ep_size == 0,
+            f"--ep-size {self.ep_size} must be >= 1 and divide --tp-size {self.tp_size} (experts split within the TP group)",
+        )
         _require(
             self.pp_size == 1,
             f"--pp-size {self.pp_size} is not supported: sglite has no pipeline parallelism; use --tp-size",

@@ -57,6 +57,49 @@ class LinearStateGeometry:
 
 
 @dataclass(frozen=True)
+class MoEGeometry:
+    """Routed-expert layout of an MoE model, under the names of every served family's config.json.
+
+    Experts: ``num_experts`` (Qwen3-MoE), ``num_local_experts`` (transformers 5's spelling, gpt-oss) or
+    ``n_routed_experts`` (DeepSeek / Kimi). Which layers are sparse: not the first ``first_k_dense_replace``
+    (DeepSeek), not in ``mlp_only_layers``, and every ``decoder_sparse_step``-th (Qwen3-MoE).
+    """
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id``'s MLP routes to experts."""
+        return (
+            layer_id >= self.first_k_dense_replace
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+
+def _moe_geometry(text: dict[str, Any], intermediate_size: int) -> Optional[MoEGeometry]:
+    experts = text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts")
+    if not experts:
+        return None
+    return MoEGeometry(
+        num_experts=int(experts),
+        top_k=int(text.get("num_experts_per_tok") or 1),
+        moe_intermediate_size=int(text.get("moe_intermediate_size") or intermediate_size),
+        num_shared_experts=int(text.get("n_shared_experts") or 0),
+        shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
+        first_k_dense_replace=int(text.get("first_k_dense_replace") or 0),
+        mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ())),
+        decoder_sparse_step=max(1, int(text.get("decoder_sparse_step") or 1)),
+    )
+
+
+@dataclass(frozen=True)
 class DraftSpec:
     """Block-diffusion draft settings (DFLASH / DSPARK)."""
 
@@ -125,6 +168,7 @@ class ModelConfig:
     kv_lora_rank: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
     linear_state: Optional[LinearStateGeometry] = None
+    moe: Optional[MoEGeometry] = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict[str, Any]] = None
@@ -376,6 +420,7 @@ def _parse(raw: dict[str, Any], path: Optional[str]) -> ModelConfig:
         kv_lora_rank=text.get("kv_lora_rank"),
         qk_rope_head_dim=text.get("qk_rope_head_dim"),
         linear_state=_linear_state(text) if AttentionKind.LINEAR in kinds else None,
+        moe=_moe_geometry(text, int(text.get("intermediate_size") or 4 * hidden)),
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,

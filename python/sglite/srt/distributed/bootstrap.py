@@ -24,11 +24,12 @@ def _state_from_args(args: ServerArgs) -> ParallelState:
         enable_dp_attention=args.enable_dp_attention,
         attn_cp_size=args.attn_cp_size,
         pp_size=args.pp_size,
+        ep_size=args.ep_size,
     )
 
 
-def _sizes(state: ParallelState) -> tuple[int, int, bool, int, int]:
-    return (state.tp_size, state.dp_size, state.enable_dp_attention, state.attn_cp_size, state.pp_size)
+def _sizes(state: ParallelState) -> tuple[int, int, bool, int, int, int]:
+    return (state.tp_size, state.dp_size, state.enable_dp_attention, state.attn_cp_size, state.pp_size, state.ep_size)
 
 
 def _resolve_state(server_args_or_sizes: Union[ServerArgs, ParallelState]) -> ParallelState:

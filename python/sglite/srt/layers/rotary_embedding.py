@@ -1,4 +1,4 @@
-"""Rotary position embedding (neox / rotate-half layout): default and Llama-3 frequency scaling."""
+"""Rotary position embedding (neox / rotate-half layout): default, Llama-3 and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -156,6 +156,68 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``scale`` times (1 when not stretched)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+class YaRNScalingRotaryEmbedding(RotaryEmbedding):
+    """YaRN (arXiv 2309.00071): frequencies blended between interpolated and extrapolated by a linear ramp
+    over the dimensions whose wavelengths lie between ``beta_fast`` and ``beta_slow`` rotations of the
+    original context; cos and sin scaled by ``attention_factor`` (DeepSeek derives it from ``mscale`` and
+    ``mscale_all_dim``)."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        factor: float,
+        original_max_position_embeddings: int,
+        beta_fast: float = 32.0,
+        beta_slow: float = 1.0,
+        attention_factor: Optional[float] = None,
+        mscale: Optional[float] = None,
+        mscale_all_dim: Optional[float] = None,
+        truncate: bool = True,
+    ) -> None:
+        self.factor = factor
+        self.original_max_position_embeddings = original_max_position_embeddings
+        self.beta_fast, self.beta_slow, self.truncate = beta_fast, beta_slow, truncate
+        if attention_factor is None:
+            if mscale and mscale_all_dim:
+                attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = yarn_get_mscale(factor)
+        self.attention_factor = float(attention_factor)
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base)
+
+    def _correction_dim(self, num_rotations: float) -> float:
+        """The dimension whose wavelength fits ``num_rotations`` times into the original context."""
+        ctx = self.original_max_position_embeddings
+        return (self.rotary_dim * math.log(ctx / (num_rotations * 2 * math.pi))) / (2 * math.log(self.base))
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        extrapolated = super()._compute_inv_freq()
+        interpolated = extrapolated / self.factor
+        low, high = self._correction_dim(self.beta_fast), self._correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, self.rotary_dim - 1)
+        if low == high:
+            high += 0.001  # a zero-width ramp would divide by zero
+        ramp = ((torch.arange(self.rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        keep_extrapolated = 1 - ramp
+        return interpolated * (1 - keep_extrapolated) + extrapolated * keep_extrapolated
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = super()._angles(positions)
+        return cos * self.attention_factor, sin * self.attention_factor
+
+
 _ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
 
 
@@ -210,7 +272,28 @@ def _build_rope(
             float(rope_scaling["high_freq_factor"]),
             int(rope_scaling["original_max_position_embeddings"]),
         )
+    if rope_type == "yarn":
+        if "factor" not in rope_scaling or "original_max_position_embeddings" not in rope_scaling:
+            raise ValueError("yarn rope scaling in config.json needs factor and original_max_position_embeddings")
+
+        def opt(key: str) -> Optional[float]:
+            return None if rope_scaling.get(key) is None else float(rope_scaling[key])
+
+        return YaRNScalingRotaryEmbedding(
+            head_size,
+            rotary_dim,
+            max_position,
+            base,
+            float(rope_scaling["factor"]),
+            int(rope_scaling["original_max_position_embeddings"]),
+            beta_fast=opt("beta_fast") or 32.0,
+            beta_slow=opt("beta_slow") or 1.0,
+            attention_factor=opt("attention_factor"),
+            mscale=opt("mscale"),
+            mscale_all_dim=opt("mscale_all_dim"),
+            truncate=bool(rope_scaling.get("truncate", True)),
+        )
     raise ValueError(
-        f"rope_type {rope_type!r} is not supported (supported: default, llama3); "
+        f"rope_type {rope_type!r} is not supported (supported: default, llama3, yarn); "
         "use a checkpoint without that rope scaling"
     )

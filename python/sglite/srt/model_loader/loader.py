@@ -56,6 +56,12 @@ def load_model(
             f"checkpoint {model_path!r} is missing {len(names)} tensor(s) the model needs: {names[:8]}"
             f"{' ...' if len(names) > 8 else ''}"
         )
+    # Post-load hook (SGLang's name): modules derive what they compute from the loaded tensors, e.g. MLA's
+    # absorbed W_UK / W_UV from kv_b_proj.
+    for module in model.modules():
+        post_load = getattr(module, "process_weights_after_loading", None)
+        if post_load is not None:
+            post_load()
     if gguf_file is not None and fp32_kernels_serve(device, dtype):
         attach_gguf_blocks(model, gguf_file, model_config)  # decode-sized CPU products read the blocks (cpu_gemm)
     return model.eval()

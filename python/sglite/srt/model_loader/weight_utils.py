@@ -116,7 +116,9 @@ def expected_loads(model: nn.Module, stacked_params_mapping: Sequence[tuple[str,
         shards_of.setdefault(param_part, []).append(sid)
     names: set[str] = set()
     for name, _ in model.named_parameters(remove_duplicate=False):
-        fused = next((part for part in shards_of if part + "." in name), None)
+        # A fused module (``.qkv_proj``) is followed by its parameter name; a fused parameter (``.experts.w13_weight``)
+        # ends the name.
+        fused = next((part for part in shards_of if part + "." in name or name.endswith(part)), None)
         if fused is None:
             names.add(name)
         else:

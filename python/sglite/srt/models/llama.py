@@ -10,7 +10,7 @@ CPU decode step of a small model pays in full (docs/benchmarks.md, "SmolLM2 deco
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -173,11 +173,18 @@ class LlamaDecoderLayer(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         mlp_bias: bool,
+        mlp: Optional[nn.Module] = None,
+        self_attn: Optional[nn.Module] = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.self_attn = LlamaAttention(config, layer_id, attn_tp_group, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, mlp_bias, tp_group)
+        # ``self_attn`` / ``mlp``: a family's own blocks (MLA, an MoE layer) with the same forward signatures.
+        self.self_attn = self_attn if self_attn is not None else LlamaAttention(
+            config, layer_id, attn_tp_group, qkv_bias, o_bias, qk_norm
+        )
+        self.mlp = mlp if mlp is not None else LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, mlp_bias, tp_group
+        )
         self.dp_peers = get_attn_dp_peer_group()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -209,7 +216,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm."""
 
-    def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, mlp_bias: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        mlp_bias: bool,
+        build_mlp: Optional[Callable[[int, GroupCoordinator], Optional[nn.Module]]] = None,
+        build_attention: Optional[Callable[[int, GroupCoordinator], Optional[nn.Module]]] = None,
+    ) -> None:
         super().__init__()
         self.config = config
         attn_tp_group, mlp_group = model_tp_group(), model_mlp_group()
@@ -217,7 +233,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=attn_tp_group)
         self.layers = nn.ModuleList(
             [
-                LlamaDecoderLayer(config, i, attn_tp_group, mlp_group, qkv_bias, o_bias, qk_norm, mlp_bias)
+                LlamaDecoderLayer(
+                    config, i, attn_tp_group, mlp_group, qkv_bias, o_bias, qk_norm, mlp_bias,
+                    mlp=build_mlp(i, mlp_group) if build_mlp is not None else None,
+                    self_attn=build_attention(i, attn_tp_group) if build_attention is not None else None,
+                )
                 for i in range(config.num_hidden_layers)
             ]
         )
@@ -281,6 +301,8 @@ class LlamaForCausalLM(nn.Module):
             o_bias=attention_bias and not self.qkv_bias_default,
             qk_norm=self.qk_norm,
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            build_mlp=self.build_mlp,
+            build_attention=self.build_attention,
         )
         head_group = model_mlp_group()
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group=head_group)
@@ -294,6 +316,14 @@ class LlamaForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(
             config.vocab_size, tp_group=head_group, dp_peer_group=get_attn_dp_peer_group()
         )
+
+    def build_mlp(self, layer_id: int, mlp_group: GroupCoordinator) -> Optional[nn.Module]:
+        """The feed-forward block of layer ``layer_id``; None = the dense gated MLP (a subclass's hook for MoE)."""
+        return None
+
+    def build_attention(self, layer_id: int, attn_tp_group: GroupCoordinator) -> Optional[nn.Module]:
+        """The attention block of layer ``layer_id``; None = Llama's GQA attention (a subclass's hook for MLA)."""
+        return None
 
     def get_embed_tokens(self) -> VocabParallelEmbedding:
         """The (vocab-parallel) input embedding."""

@@ -10,6 +10,8 @@ _MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("sglite.srt.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("sglite.srt.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("sglite.srt.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("sglite.srt.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("sglite.srt.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "DFlashDraftModel": ("sglite.srt.models.dflash", "DFlashDraftModel"),
     "DSparkDraftModel": ("sglite.srt.models.dspark", "DSparkDraftModel"),
     "Qwen3DSparkModel": ("sglite.srt.models.dspark", "DSparkDraftModel"),
