@@ -260,8 +260,8 @@ def bench_dspark_cap(args) -> int:
     import sglite
     from sglite.bench_offline import run_engine
 
-    prompts = _heldout_prompts(args.model_path, args.num_prompts, args.seed)
-    fit_prompts = _heldout_prompts(args.model_path, 2 * args.num_prompts, args.seed + 1)
+    prompts = _heldout_prompts(args.model_path, args.prompt_set, args.num_prompts, args.seed)
+    fit_prompts = _heldout_prompts(args.model_path, args.prompt_set, 2 * args.num_prompts, args.seed + 1)
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
     out_dir = tempfile.mkdtemp(prefix="dspark_conf_")
     fit = fit_confidence_dspark(args.model_path, args.draft_model_path, out_dir, fit_prompts, args.max_new_tokens)
