@@ -83,14 +83,14 @@ def _attn_params_per_rank(mc: ModelConfig, kind: AttentionKind, attn_tp: int) ->
     return h * heads * mc.head_dim * 2 + h * kv * (mc.head_dim + mc.v_head_dim)
 
 
-def _mlp_params(mc: ModelConfig, layer: int) -> tuple[float, float]:
-    """(dense params, expert params) of one layer's MLP, whole model (before sharding)."""
+def _mlp_params(mc: ModelConfig, layer: int) -> tuple[float, float, float]:
+    """(dense params split over TP, expert params, replicated router params) of one layer's MLP, whole model."""
     h, moe = mc.hidden_size, mc.moe
     if moe is None or not moe.is_sparse_layer(layer):
-        return 3.0 * h * mc.intermediate_size, 0.0
+        return 3.0 * h * mc.intermediate_size, 0.0, 0.0
     shared = 3.0 * h * moe.moe_intermediate_size * moe.num_shared_experts
     shared += 3.0 * h * moe.shared_expert_intermediate_size
-    return shared + h * moe.num_experts, 3.0 * h * moe.moe_intermediate_size * moe.num_experts
+    return shared, 3.0 * h * moe.moe_intermediate_size * moe.num_experts, float(h * moe.num_experts)
 
 
 def estimate_weight_bytes_per_rank(
@@ -105,14 +105,17 @@ def estimate_weight_bytes_per_rank(
     vocab-parallel over attention TP and the LM head over TP (one shared tensor when tied and the
     widths agree); bytes per weight from the runtime ``dtype`` (default: the checkpoint's; fp8 checkpoints
     1 B; MXFP4 experts 4.25 bits).
-    Norms, biases and routers' small terms are left out (< 0.1 %).
+    MoE routers are held whole on every rank (fp32 where the family keeps them so). Norms and biases are
+    left out (< 0.1 %).
     """
     dense_b, expert_b = _weight_elem_bytes(mc, dtype)
     total = 0.0
     for i, kind in enumerate(mc.layer_kinds):
         total += _attn_params_per_rank(mc, kind, attn_tp_size) * dense_b
-        dense, expert = _mlp_params(mc, i)
+        dense, expert, router = _mlp_params(mc, i)
+        # Experts split over TP whatever --ep-size: E/ep experts of width I/(tp/ep) is E*I/tp per rank.
         total += (dense * dense_b + expert * expert_b) / tp_size
+        total += router * (4.0 if mc.moe is not None and mc.moe.router_fp32 else dense_b)  # on every rank
     if with_embeddings:
         # The embedding is split over attention TP, the LM head over all of TP (DP attention's split);
         # a tied pair shares one tensor only when those widths agree.

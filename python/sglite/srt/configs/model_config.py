@@ -73,6 +73,8 @@ class MoEGeometry:
     first_k_dense_replace: int = 0
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    # DeepSeek-family routers (``n_routed_experts``) keep their weight in fp32 whatever the model dtype.
+    router_fp32: bool = False
 
     def is_sparse_layer(self, layer_id: int) -> bool:
         """Whether layer ``layer_id``'s MLP routes to experts."""
@@ -96,6 +98,7 @@ def _moe_geometry(text: dict[str, Any], intermediate_size: int) -> Optional[MoEG
         first_k_dense_replace=int(text.get("first_k_dense_replace") or 0),
         mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ())),
         decoder_sparse_step=max(1, int(text.get("decoder_sparse_step") or 1)),
+        router_fp32=bool(text.get("n_routed_experts")),
     )
 
 

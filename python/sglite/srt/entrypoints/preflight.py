@@ -28,6 +28,8 @@ def run_preflight(args: ServerArgs) -> None:
     check_model_dir("--speculative-draft-model-path", args.speculative_draft_model_path)
     check_model_dir("--tokenizer-path", args.tokenizer_path, needs_config=False)
     check_load_format(args)
+    check_architecture("--model-path", args.model_path)
+    check_architecture("--speculative-draft-model-path", args.speculative_draft_model_path)
     check_chat_template(args)
     check_context_length(args)
     check_ranks_fit(args)
@@ -96,6 +98,19 @@ def check_model_dir(flag: str, path: Optional[str], *, needs_config: bool = True
         raise ServerArgsError(f"{flag} {path} has no config.json; pass a Hugging Face model directory")
     if needs_config and not os.access(config, os.R_OK):
         raise ServerArgsError(f"{flag} {config} is not readable by this user; fix its permissions")
+
+
+def check_architecture(flag: str, path: Optional[str]) -> None:
+    """The checkpoint's config (config.json or GGUF metadata) resolves and names an architecture sglite serves."""
+    if path is None:
+        return
+    from sglite.srt.configs.model_config import ModelConfig
+    from sglite.srt.models.registry import resolve_architecture
+
+    try:
+        resolve_architecture(ModelConfig.from_path(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ServerArgsError(f"{flag} {path}: {e}") from None
 
 
 def check_context_length(args: ServerArgs) -> None:

@@ -121,7 +121,10 @@ class DeepseekV2MLAAttention(nn.Module):
             q = self.q_b_proj.forward(self.q_a_layernorm.forward(self.q_a_proj.forward(hidden_states)))
         else:
             q = self.q_proj.forward(hidden_states)
-        q_nope, q_pe = q.view(t, h, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        # Explicit sizes: an IDLE forward (DP attention) has t = 0, where -1 is ambiguous.
+        q_nope, q_pe = q.view(t, h, self.qk_nope_head_dim + self.qk_rope_head_dim).split(
+            [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
+        )
         kv_c, k_pe = self.kv_a_proj_with_mqa.forward(hidden_states).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
         )
@@ -145,8 +148,8 @@ class DeepseekV2MoE(nn.Module):
         super().__init__()
         hf, moe = _text_config(config), config.moe
         self.mlp_group = mlp_group
-        # The router runs in fp32 whatever the model dtype (the reference keeps it in fp32).
-        self.gate = ReplicatedLinear(config.hidden_size, moe.num_experts, bias=False, params_dtype=torch.float32)
+        router_dtype = torch.float32 if moe.router_fp32 else None  # the reference keeps the router in fp32
+        self.gate = ReplicatedLinear(config.hidden_size, moe.num_experts, bias=False, params_dtype=router_dtype)
         self.gate.e_score_correction_bias = nn.Parameter(
             torch.zeros(moe.num_experts, dtype=torch.float32), requires_grad=False
         )
@@ -177,7 +180,7 @@ class DeepseekV2MoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Routed experts plus shared experts, one all-reduce for both."""
-        logits = self.gate.forward(hidden_states.float())
+        logits = self.gate.forward(hidden_states.to(self.gate.weight.dtype))
         out = self.experts.forward(hidden_states, logits, self.gate.e_score_correction_bias)
         if self.shared_experts is not None:
             out = out + self.shared_experts.forward(hidden_states)

@@ -74,6 +74,21 @@ def test_start_up_mistake_is_one_clear_line(model_dir, case, flags, flag, needle
     _assert_one_clear_error(r, elapsed, flag, *needles)
 
 
+@pytest.mark.parametrize("architectures,model_type", [(["FooForCausalLM"], "qwen3"), ([], "foo")])
+def test_unserved_architecture_is_one_line_naming_the_served_ones(tmp_path, architectures, model_type):
+    """Refused before any process spawns, in one line that lists what is served (a config without
+    ``architectures`` is resolved from its ``model_type``, as transformers does)."""
+    import json
+
+    from sglite.testing.tiny_models import tiny_config
+
+    cfg = {**tiny_config("qwen3").to_dict(), "architectures": architectures, "model_type": model_type}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r, elapsed = _launch("--model-path", str(tmp_path), "--port", str(_free_port()))
+    _assert_one_clear_error(r, elapsed, "--model-path", "is not served by sglite", "DeepseekV3ForCausalLM",
+                            "Qwen3MoeForCausalLM")
+
+
 def test_busy_port_is_found_before_the_model_loads(model_dir):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

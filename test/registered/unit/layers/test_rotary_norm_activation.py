@@ -1,4 +1,4 @@
-"""Rotary (default, llama3), RMSNorm and SiluAndMul against transformers' own implementations."""
+"""Rotary (default, llama3, yarn), RMSNorm and SiluAndMul against transformers' own implementations."""
 
 import pytest
 import torch
@@ -93,8 +93,27 @@ def test_llama3_inv_freq_matches_transformers():
     torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("extra", [{"mscale": 1.0, "mscale_all_dim": 1.0}, {"mscale": 0.707, "mscale_all_dim": 1.0}, {}])
+def test_yarn_inv_freq_and_attention_factor_match_transformers(extra):
+    """DeepSeek-V3's YaRN (factor 40 over a 4k context): frequencies and the cos/sin magnitude factor."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+              "beta_fast": 32, "beta_slow": 1, **extra}
+    config = DeepseekV3Config(max_position_embeddings=163840, rope_parameters=params, qk_rope_head_dim=64)
+    ref, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours = get_rope(64, 64, 1024, 10000.0, params)
+    torch.testing.assert_close(ours.inv_freq, ref.float(), rtol=1e-6, atol=0)
+    assert ours.attention_factor == pytest.approx(ref_factor, rel=1e-12)
+    cos, sin = ours.cos_sin(torch.tensor([0, 5, 1000]))
+    assert float(cos[0, 0]) == pytest.approx(ref_factor, rel=1e-6)  # angle 0: cos = 1 x attention factor
+
+
 def test_unsupported_rope_type_is_a_clear_error():
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
+        get_rope(64, 64, 4096, 10000.0, {"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ValueError, match="yarn rope scaling in config.json needs"):
         get_rope(64, 64, 4096, 10000.0, {"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="missing"):
         get_rope(64, 64, 4096, 10000.0, {"rope_type": "llama3", "factor": 8.0})

@@ -1,4 +1,6 @@
-"""Llama / Qwen2 / Qwen3 on the paged KV pool equal transformers on the same tiny random weights."""
+"""Every served target family on the paged KV pool equals transformers on the same tiny random weights.
+
+The MoE families (Qwen3-MoE; DeepSeek-V3 with MLA over the latent pool) run the same tests as the dense ones."""
 
 import weakref
 from typing import Optional
@@ -17,7 +19,7 @@ from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 SUITE = "unit-cpu"
 EST_TIME = 55
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
 PROMPTS = [[5, 17, 300, 41, 7, 99, 250], [100, 200, 300], list(range(60, 84)), [42]]
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18]
 SHARED_PROMPTS = [SHARED + [200, 201, 202], SHARED + [7], SHARED + list(range(300, 310)), SHARED + [9, 9]]
