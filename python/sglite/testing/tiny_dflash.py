@@ -38,16 +38,17 @@ class TrainedDraft:
 
 
 def build_tiny_target(
-    path: str, *, seed: int = 0, num_layers: int = 4, vocab_size: int = TINY_VOCAB, with_tokenizer: bool = False
+    path: str, *, seed: int = 0, num_layers: int = 4, vocab_size: int = TINY_VOCAB, with_tokenizer: bool = False,
+    arch: str = "qwen3",
 ) -> str:
-    """Save a tiny random fp32 Qwen3 target (``tiny_models``: hidden 64, GQA 4/2, wide init) with no EOS.
+    """Save a tiny random fp32 target of ``arch`` (``tiny_models``: hidden 64, wide init; Qwen3 by default) with no EOS.
 
     ``with_tokenizer`` adds the tiny 512-token BPE tokenizer (for servers and stop strings; ~10 s).
     """
     from sglite.testing.tiny_models import build_tiny_model
 
     return build_tiny_model(
-        path, "qwen3", seed=seed, with_tokenizer=with_tokenizer, num_hidden_layers=num_layers,
+        path, arch, seed=seed, with_tokenizer=with_tokenizer, num_hidden_layers=num_layers,
         vocab_size=vocab_size, eos_token_id=None,
     )
 
@@ -61,9 +62,11 @@ def _draft_config(target_dir: str, spec: TinyDraftSpec):
         hidden_size=target_cfg.hidden_size,
         intermediate_size=target_cfg.intermediate_size,
         num_hidden_layers=spec.num_layers,
-        num_attention_heads=target_cfg.num_attention_heads,
-        num_key_value_heads=target_cfg.num_key_value_heads,
-        head_dim=target_cfg.head_dim,
+        # The draft's own attention (GQA 4/2 of 16 dims) whatever the target's: an MLA or MoE target's draft
+        # is a dense Qwen3-style model, priced from this geometry.
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
         max_position_embeddings=target_cfg.max_position_embeddings,
         rope_theta=getattr(target_cfg, "rope_theta", None) or target_cfg.rope_parameters["rope_theta"],
         initializer_range=0.3,
@@ -140,9 +143,12 @@ def train_tiny_draft(
     from dflash.model import DFlashDraftModel, extract_context_feature
 
     torch.manual_seed(seed)
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    # Any served family (MoE targets included): eager experts run everywhere.
+    target = AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=torch.float32, attn_implementation="sdpa", experts_implementation="eager"
+    ).eval()
     for p in target.parameters():
         p.requires_grad_(False)
     draft = DFlashDraftModel(_draft_config(target_dir, spec)).to(torch.float32).train()
