@@ -6,7 +6,7 @@
 # Installs nothing: it runs sglite from the source tree (PYTHONPATH=python) with the host's own
 # python3, torch and triton (the GPU image: Python 3.12, torch 2.11, triton 3.6). A piece that is
 # missing (pytest, a benchmark script) is skipped with a printed note. Results go to $OUT when set
-# (else /tmp/sglite_gpu_check): one JSON per step plus gpu_check.json summarising all steps.
+# (else $TMPDIR/sglite_gpu_check, /tmp without TMPDIR): one JSON per step plus gpu_check.json summarising all steps.
 # --dry-run lists the steps, their time budgets and what would be skipped; it needs no GPU.
 # Exit status: 0 when no step failed, 1 when one did, 2 on a usage error or no CUDA device.
 set -uo pipefail
@@ -14,7 +14,7 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 PY="${PYTHON:-python3}"
-OUT_DIR="${OUT:-/tmp/sglite_gpu_check}"
+OUT_DIR="${OUT:-${TMPDIR:-/tmp}/sglite_gpu_check}"
 DRY_RUN=0
 SKIP_TESTS=0
 for arg in "$@"; do
