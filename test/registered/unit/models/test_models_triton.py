@@ -1,4 +1,7 @@
-"""A tiny Qwen3 with the Triton attention backend (interpreter on CPU) equals transformers end to end."""
+"""Tiny models with the Triton attention backend (interpreter on CPU) equal transformers end to end.
+
+DeepSeek-V3's MLA runs through the same kernels as one KV head whose key is the whole latent
+(``kv_lora_rank + qk_rope_head_dim`` wide) and whose value is its compressed part."""
 
 import os
 
@@ -24,9 +27,10 @@ SHARED = [11, 12, 13, 14, 15, 16, 17, 18]
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton needs CUDA or TRITON_INTERPRET=1 (set by test/conftest.py on CPU hosts)",
 )
-def test_triton_backend_matches_transformers(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
+def test_triton_backend_matches_transformers(tmp_path, arch):
     torch.set_num_threads(1)
-    d = build_tiny_model(str(tmp_path / "q3"), "qwen3", seed=21, with_tokenizer=False, eos_token_id=None)
+    d = build_tiny_model(str(tmp_path / arch), arch, seed=21, with_tokenizer=False, eos_token_id=None)
     hf = load_hf_model(d)
     prompts = [SHARED + [200, 201, 202], SHARED + [7], SHARED + list(range(300, 306))]
     n = 6  # the interpreter is slow: a few decode steps cover the decode kernel

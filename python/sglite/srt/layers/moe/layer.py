@@ -100,7 +100,10 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """Route, run this rank's experts, and (with ``reduce_results``) sum the partials over the TP group."""
         weights, ids = select_experts(router_logits, self.topk, correction_bias)
-        out = fused_moe_native(
+        experts = fused_moe_native
+        if hidden_states.is_cuda:  # the Triton grouped GEMMs (checked against the native path on CPU)
+            from sglite.srt.layers.moe.fused_moe_triton import fused_moe_triton as experts
+        out = experts(
             hidden_states, self.w13_weight, self.w2_weight, weights, ids,
             first_local_expert=self.first_local_expert, activation=self.activation,
         )
