@@ -25,6 +25,7 @@ import torch
 from sglite.srt.configs.model_config import AttentionKind, ModelConfig, ModelConfigError
 from sglite.srt.distributed.bootstrap import simulate_rank
 from sglite.srt.layers.hot_vocab_head import load_token_map
+from sglite.srt.layers.moe.layer import check_moe_sharding
 from sglite.srt.managers.base_model_worker import build_rank_report, format_rank_report
 from sglite.srt.mem_cache.kv_cache_dtype import model_runtime_dtype
 from sglite.srt.mem_cache.pool_plan import MemoryPlanError, MemoryPoolConfig
@@ -312,6 +313,8 @@ def plan_topology(
 ) -> list[RankReport]:
     """Plan every rank (0 .. tp_size-1) of the topology."""
     mc = model_config or ModelConfig.from_path(server_args.model_path)
+    if mc.moe is not None:  # the MoE layers' own refusal of a split that does not divide
+        check_moe_sharding(mc.moe.num_experts, mc.moe.moe_intermediate_size, server_args.tp_size, server_args.ep_size)
     if draft_model_config is None and server_args.speculative_algorithm is not None:
         draft_model_config = load_draft_model_config(server_args)
     # The draft runner's own check of the map: a bad file is refused here as at start-up.
@@ -353,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")
     p.add_argument("--attn-cp-size", type=int, default=1)
+    p.add_argument("--ep-size", type=int, default=1,
+                   help="MoE expert-parallel size within the TP group (per-rank expert weights are E*I/tp either way)")
     p.add_argument("--mem-fraction-static", type=float, default=_SERVER_DEFAULTS["mem_fraction_static"])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="Device to plan for (cpu uses --cpu-kv-cache-budget-mb)")
@@ -427,7 +432,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             speculative_draft_model_quantization=a.speculative_draft_model_quantization,
             speculative_token_map=a.speculative_token_map,
             tp_size=a.tp_size, dp_size=a.dp_size, enable_dp_attention=a.enable_dp_attention,
-            attn_cp_size=a.attn_cp_size, mem_fraction_static=a.mem_fraction_static, device=a.device,
+            attn_cp_size=a.attn_cp_size, ep_size=a.ep_size, mem_fraction_static=a.mem_fraction_static, device=a.device,
             cpu_kv_cache_budget_mb=a.cpu_kv_cache_budget_mb, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
             page_size=a.page_size, context_length=a.context_length, max_total_tokens=a.max_total_tokens,
             max_running_requests=a.max_running_requests,
@@ -452,7 +457,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         draft = f" + {sa.speculative_algorithm} draft" if sa.speculative_algorithm else ""
         header = (
             f"sglite plan: {a.model_path}{draft}; tp {sa.tp_size} dp {sa.dp_size}"
-            f"{' (DP attention)' if sa.enable_dp_attention else ''} cp {sa.attn_cp_size}; "
+            f"{' (DP attention)' if sa.enable_dp_attention else ''} cp {sa.attn_cp_size}"
+            f"{f' ep {sa.ep_size}' if sa.ep_size > 1 else ''}; "
             + (f"{a.device_memory_gb} GiB x {sa.mem_fraction_static}" if a.device == "cuda"
                else f"cpu budget {sa.cpu_kv_cache_budget_mb} MiB")
             + f"; kv {sa.kv_cache_dtype}; page {sa.page_size}"

@@ -245,6 +245,23 @@ def test_unresolvable_draft_stops_with_a_message(tmp_path, capsys):
     assert "target_layer_ids" in capsys.readouterr().err
 
 
+def test_expert_parallel_plan_and_its_refusals(capsys):
+    """--ep-size leaves per-rank expert bytes at E*I/tp; a split the MoE layers cannot shard is refused as they refuse it."""
+    kimi = os.path.join(CONFIGS, "kimi-k2-instruct.json")
+    base = ["--model-path", kimi, "--tp-size", "16", "--dp-size", "16", "--enable-dp-attention", "--device-memory-gb",
+            "141", "--json"]
+    assert main(base) == 0
+    tp_only = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert main(base + ["--ep-size", "16"]) == 0
+    ep = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert ep["weights_bytes"] == tp_only["weights_bytes"] and ep["max_total_num_tokens"] == tp_only["max_total_num_tokens"]
+    assert main(["--model-path", kimi, "--tp-size", "6", "--ep-size", "2", "--device-memory-gb", "141"]) == 1
+    assert "per-expert TP width 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model-path", kimi, "--tp-size", "16", "--ep-size", "3", "--device-memory-gb", "141"])
+    assert "--ep-size 3 must be >= 1 and divide --tp-size 16" in capsys.readouterr().err
+
+
 def test_weights_that_do_not_fit_are_reported(capsys):
     rc = main(["--model-path", os.path.join(CONFIGS, "kimi-k2-instruct.json"), "--device-memory-gb", "141"])
     assert rc == 1

@@ -21,7 +21,7 @@ from torch import nn
 from sglite.srt.distributed.parallel_state import GroupCoordinator
 from sglite.srt.layers.moe.fused_moe_native import fused_moe_native
 from sglite.srt.layers.moe.topk import TopKConfig, select_experts
-from sglite.srt.layers.utils import check_full_shape, divide
+from sglite.srt.layers.utils import check_full_shape
 
 # checkpoint projection -> (fused parameter, part)
 _EXPERT_PARTS = (("gate_proj", "w13_weight", "w1"), ("up_proj", "w13_weight", "w3"), ("down_proj", "w2_weight", "w2"))
@@ -37,6 +37,22 @@ def expert_params_mapping(num_experts: int, prefix: str = ".experts.") -> list[t
         for e in range(num_experts)
         for proj, param, part in _EXPERT_PARTS
     ]
+
+
+def check_moe_sharding(num_experts: int, intermediate_size: int, tp_size: int, ep_size: int) -> tuple[int, int]:
+    """(experts per rank, intermediate width per rank) at this TP / EP split; a split that does not divide is
+    the one clear error the layer and ``sglite plan`` both raise."""
+    if ep_size < 1 or tp_size % ep_size != 0:
+        raise ValueError(f"--ep-size {ep_size} must divide the MoE layer's TP width {tp_size}")
+    if num_experts % ep_size != 0:
+        raise ValueError(f"--ep-size {ep_size} must divide the model's {num_experts} routed experts")
+    moe_tp_size = tp_size // ep_size
+    if intermediate_size % moe_tp_size != 0:
+        raise ValueError(
+            f"moe_intermediate_size {intermediate_size} is not divisible by the per-expert TP width "
+            f"{moe_tp_size} (--tp-size / --ep-size); raise --ep-size or lower --tp-size"
+        )
+    return num_experts // ep_size, intermediate_size // moe_tp_size
 
 
 class FusedMoE(nn.Module):
@@ -57,17 +73,16 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.tp_group = tp_group
         tp_size, tp_rank = tp_group.world_size, tp_group.rank_in_group
-        if ep_size < 1 or tp_size % ep_size != 0:
-            raise ValueError(f"--ep-size {ep_size} must divide the MoE layer's TP width {tp_size}")
+        self.num_local_experts, self.intermediate_per_partition = check_moe_sharding(
+            num_experts, intermediate_size, tp_size, ep_size
+        )
         self.ep_size = ep_size
         self.moe_tp_size = tp_size // ep_size
         self.ep_rank, self.moe_tp_rank = divmod(tp_rank, self.moe_tp_size)
         self.num_experts = num_experts
-        self.num_local_experts = divide(num_experts, ep_size, "MoE num_experts (over --ep-size)")
         self.first_local_expert = self.ep_rank * self.num_local_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.intermediate_per_partition = divide(intermediate_size, self.moe_tp_size, "moe_intermediate_size")
         self.topk = topk
         self.activation = activation
         self.reduce_results = reduce_results
