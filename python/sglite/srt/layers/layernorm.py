@@ -24,7 +24,7 @@ def rms_normalize(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = 
     fp32 tensors: the formula with in-place scalar steps, bit-identical to ``F.rms_norm`` (its CPU
     composite runs the same kernels in the same order) with three allocations and two wrapper levels
     less per call; on a CPU decode step each small op runs with caches cold from the GEMMs, where that
-    overhead shows (docs/benchmarks.md, "SmolLM2 decode profile (round 3)"). Other dtypes: the explicit
+    overhead shows (docs/benchmarks.md, "SmolLM2 decode profile"). Other dtypes: the explicit
     formula with upcast, whose rounding order transformers uses.
     """
     if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):

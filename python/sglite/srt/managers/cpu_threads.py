@@ -16,8 +16,7 @@ time slice at every barrier of the step: on the 2-core box a plain server's medi
   processes (detokenizer, DP controller, ``sglite serve``'s HTTP process) are pinned to the CPUs left.
   vLLM's CPU build binds its compute threads the same way (``VLLM_CPU_OMP_THREADS_BIND=auto``). Unpinned,
   the kernel moved the compute thread between the 2 cores as the front end woke: on the 200 M model at
-  concurrency 8 a server gave 95-100 tok/s against 118-121 pinned (docs/benchmarks.md, "CPU pinning and
-  compiled prefill blocks, session 18");
+  concurrency 8 a server gave 95-100 tok/s against 118-121 pinned (docs/benchmarks.md, "CPU pinning");
 - idle OpenMP workers of a scheduler sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, and
   ``KMP_BLOCKTIME=0`` for Intel's runtime), unless the user set them: a spinning worker holds a core the
   front end needs. With it, 2 compute threads on the 2-core box served 308-469 tok/s at 12-33 ms median

@@ -196,7 +196,7 @@ def attach_gguf_blocks(model: nn.Module, path: str, model_config: ModelConfig) -
 def draft_model_quantization(flag: Optional[str], draft_path: str, device: torch.device) -> Optional[str]:
     """--speculative-draft-model-quantization, resolved: the flag ("none": the draft's own weights); unset, q8_0 for the
     bundled draft on a CPU whose GGUF kernel is built (its block streams a quarter of the fp32 bytes:
-    docs/benchmarks.md, "Shadow probes and a Q8_0 draft, session 23"), else None. (A runtime fact, so it is resolved
+    docs/benchmarks.md, "A hot-token draft head and a Q8_0 draft"), else None. (A runtime fact, so it is resolved
     here, not with the other bundled-pair defaults in ``default_model``.)"""
     if flag is not None:
         return None if flag == "none" else flag

@@ -1,66 +1,52 @@
 """AdaptiveSpeculation: a measured cost model that turns DFLASH/DSPARK drafting off when it does not pay.
 
-A drafted decode step costs a draft block plus a verify of W tokens per request and commits the accept
-length ``L`` (bonus included) tokens per request; a draft-free step costs one target decode and commits
-one. Whether ``L / t_draft`` beats ``1 / t_plain`` depends on the draft's quality on the current traffic,
-the hardware and the batch size, so it is measured rather than predicted: one estimate of ``L`` (the draft's
-quality on the traffic, which does not depend on how many requests share a step) and, per batch-size
-bucket (powers of two), EMAs of the wall time of each kind of step.
+Contract. The worker asks ``next_step(batch_size)`` before each decode step and gets a ``StepKind``: PLAIN (the
+target alone, one token a request), DRAFTED (draft block + a verify of W tokens a request, 1..W tokens a request) or
+SHADOW (draft block + the target alone, a probe whose drafts are scored later). It reports each finished step with
+``record`` / ``record_shadow`` / ``record_shadow_accept``, and may time buckets before serving with ``calibrate``.
+Output is the same whichever kind runs: the cost model only chooses which path computes it. Pure Python and
+deterministic: the same sequence of calls gives the same decisions.
 
-- ``L`` is noisy (a request's step commits 1 to B tokens; their spread is about their distance from 1) while
-  step times are steady, so it gets a slower estimate than the times, counted per request (a batch-8 step
-  observes 8 acceptances): a running mean that turns into an EMA once ``accept_window`` requests are in, with
-  its per-request variance, so the gain has a standard error. (An EMA of weight 0.25 swung the gain of a 1.16x
-  draft by about +-0.25 around a 1.05 threshold, and the policy drafted on 4% of the steps; docs/benchmarks.md,
-  "The real default".)
+State. One estimate of the accept length ``L`` (tokens a drafted step commits per request, bonus included), since
+the draft's quality on the traffic does not depend on how many requests share a step; and per batch-size bucket
+(powers of two, ``bucket_of``) EMAs of the wall time of a drafted and of a draft-free step. ``L`` is noisy (a step
+commits 1 to W tokens a request) while step times are steady, so it is counted per request (a batch-8 step observes
+8 acceptances) in a running mean that becomes an EMA after ``accept_window`` requests, with its variance, so the gain
+has a standard error.
 
-- An unknown bucket measures first: a drafted and a draft-free step in turn, until it has ``warmup_steps`` of
-  each; each EMA starts at the median of its warm-up samples (the first step of a new shape may be cold). It
-  decides earlier, after one step of each kind, when the gain is clear (``clear_band`` from the threshold, with
-  an accept estimate over ``accept_window`` requests).
-- A server times its buckets before it serves (``calibrate``, from ``step_calibration.py``): they start warm and
-  decide once any drafted step has sampled ``L``. A warm bucket whose drafted step costs more than ``W / (1 + margin)``
-  plain steps (W: ``max_tokens_per_step``, the verify width) never pays: off whatever ``L`` is, probed at
-  ``max_probe_interval`` with drafted steps only (to re-time it), and the buckets above it start off too.
-- Then it drafts while ``L / t_draft >= (1 + margin) / t_plain``; the margin keeps a draft that is only
-  as fast as plain (more work, same speed) off. The same threshold turns drafting off: a lower one (1.0) was
-  tried and dropped, since the timed forwards leave out costs a drafted step has beyond them (prompts that
-  cannot ride along in its forward), so a timed gain just above 1 is no gain.
-- The path not taken is still probed, one step every ``interval`` steps: while drafting is off, the only way to notice
-  that it started to pay (a repetitive reply, a lighter batch) is to sample the accept length now and then; while it
-  is on, plain timings go stale as contexts grow. While drafting is off a probe is a *shadow* step
-  (``StepKind.SHADOW``, once an accept estimate exists): the draft block runs, the target decodes alone as in a plain
-  step, and the drafts are scored later against the tokens the target goes on to produce, which is the accept length a
-  verify would have found (greedy: the same prefix match; sampled: drafts are point masses, so a draft is accepted
-  with the target's probability of sampling it). It costs a plain step plus the draft block instead of a verify of W
-  tokens a request. It does not re-time the drafted step (the cost ratio stays the last measured one). Each kind of
-  probe has a price, its time beyond plain steps committing the same tokens: ``t_shadow - t_plain`` (the draft block)
-  against ``t_draft - L * t_plain``; near break-even the drafted probe is the cheaper (at batch 1 on a CPU the draft
-  block is ~0.27 plain steps, a drafted step's loss ~0), so a bucket that has timed a shadow step probes with
-  whichever costs less. A probe that confirms the current choice with confidence (the gain ``z`` standard errors away
-  from the threshold that would flip it) doubles the interval (up to ``max_probe_interval``); one that confirms it
-  only within the gain's error keeps it (at batch 1, ``uncertain_probe_max_batch``), so a marginal draft is sampled
-  until the estimate settles; one that flips the choice resets it. While drafting is off the interval counts
-  plain-step time, not steps: a drafted probe costs ``t_draft / t_plain`` plain steps (~3.4 at batch 8 on a CPU, where
-  one such probe per 32 steps cost ~3% of the run), so every bucket spends the same small share of its time probing; a
-  bucket that started off as its neighbours settle it and has not timed a drafted step yet uses their ratio (a lower
-  bound, or an interpolation, of its own). It is also stretched by how far the accept length falls short of paying
-  (drafting pays again only at ``(1 + margin) * t_draft / t_plain``).
-- A new bucket skips the measuring when its timed neighbours already settle it. The gain ``L * t_plain / t_draft``
-  does not grow with the batch: ``L`` does not depend on it, and a drafted step's relative cost
-  ``t_draft / t_plain`` only grows (its W - 1 extra verify tokens per request ride along on weight reads at
-  small batches and cost their full compute at large ones, on CPU already from batch 2). So the nearest
-  decided smaller bucket's cost ratio bounds a bucket's from below (if drafting loses there, it loses here)
-  and the nearest bigger one's from above (if it pays there, it pays here). Between a paying smaller bucket
-  and a losing bigger one the ratio is interpolated in log2 of the batch, and settles the choice when its gain
-  is clear (``clear_band``). Such a bucket takes the probe interval of the neighbour with the same choice,
-  measures the path it runs, and the other path through its probes only; its own timings take over once
-  they are clear or warm. Until then the choice lasts only while the neighbours still settle it (the accept
-  length moves, a neighbour re-times): otherwise the bucket goes back to measuring. This matters because
-  traffic walks through buckets (32 requests finishing one by one visit buckets 16, 8, 4, 2 and 1), and
-  each measuring bucket pays drafted steps, which cost 2.5-4 plain steps each at batch 8-32 on a CPU.
+Decision rule. A bucket drafts while its gain ``L * t_plain / t_draft`` is at least ``1 + margin``; the margin keeps a
+draft that is only as fast as plain off, because the timed forwards leave out costs a drafted step has beyond them
+(prompts cannot ride along in its forward). The same threshold turns drafting off.
 
-Pure Python and deterministic: the same sequence of ``record`` calls gives the same decisions.
+How a bucket gets its times, cheapest first:
+- Calibrated (``calibrate``, from ``step_calibration.py``): timed before serving, so it is warm and decides as soon
+  as a drafted step has sampled ``L``. A warm bucket whose drafted step costs more than ``W / (1 + margin)`` plain
+  steps (W: ``max_tokens_per_step``) can never pay: it is off whatever ``L`` is, probes only at
+  ``max_probe_interval`` with drafted steps (to re-time it), and the buckets above it start off too.
+- Settled by neighbours: the gain cannot grow with the batch (``L`` does not depend on it, and a drafted step's
+  relative cost ``t_draft / t_plain`` only grows: its W - 1 extra verify tokens a request ride on weight reads at
+  small batches and cost full compute at large ones). So the nearest decided smaller bucket's cost ratio bounds a
+  bucket's from below and the nearest bigger one's from above; between a paying smaller and a losing bigger bucket
+  the ratio is interpolated in log2 of the batch and decides when the gain is clear (``clear_band`` from the
+  threshold). Such a bucket takes the probe interval of the neighbour with the same choice, times the path it runs,
+  and switches to its own timings once they are clear or warm; if its neighbours stop settling it, it measures.
+- Measured: a drafted and a draft-free step in turn until it has ``warmup_steps`` of each, each EMA starting at the
+  median of its samples (a cold first step is outvoted); it decides after one step of each kind when the gain is
+  clear and the accept estimate covers ``accept_window`` requests.
+
+Probes. The path not taken is still sampled, one step every ``interval`` steps, so a draft that starts to pay (a
+repetitive reply, a lighter batch) is noticed and plain timings do not go stale. While drafting is off a probe is a
+shadow step once an accept estimate exists: the draft block runs, the target decodes alone, and the drafts are scored
+against the tokens the target goes on to produce, which is what a verify would have committed (greedy: the same
+prefix match; sampled: a draft is accepted with the target's probability of sampling it). It does not re-time the
+drafted step. Each probe kind is priced by its time beyond plain steps committing the same tokens (``t_shadow -
+t_plain`` against ``t_draft - L * t_plain``), and a bucket that has timed a shadow step probes with the cheaper one.
+A probe that confirms the current choice with confidence (the gain ``z`` standard errors from the threshold that
+would flip it) doubles the interval, up to ``max_probe_interval``; at batch sizes up to ``uncertain_probe_max_batch``
+one that confirms it only within the gain's error keeps the interval, so a marginal draft is sampled until the
+estimate settles; a probe that flips the choice resets it. While drafting is off the interval counts plain-step time
+(a drafted probe costs ``t_draft / t_plain`` plain steps), stretched by how far ``L`` falls short of paying, so every
+bucket spends a similar small share of its time probing.
 """
 
 from __future__ import annotations
@@ -85,10 +71,8 @@ class AdaptiveSpecConfig:
     accept_window: int = 32  # the accept-length estimate: a running mean over this many requests, then an EMA
     z: float = 3.0  # standard errors of the gain that make a probe's confirmation confident
     # Buckets up to this batch size keep their probe interval while a losing probe is within the gain's error;
-    # bigger ones double it after every losing probe, as before session 11. Batch 1 is where the extra probing was
-    # measured to pay; above it the timed forward leaves out costs of a drafted step (waiting prompts cannot ride
-    # along in it), so a gain near the threshold is less trustworthy there. (The A/Bs did not separate this rule's
-    # effect at concurrency 8 from the accept estimate's: docs/benchmarks.md, "The real default", session 11.)
+    # bigger ones double it after every losing probe. Above batch 1 the timed forward leaves out costs of a drafted
+    # step (waiting prompts cannot ride along in it), so a gain near the threshold is less trustworthy there.
     uncertain_probe_max_batch: int = 1
     warmup_steps: int = 3  # steps of each kind whose median starts a step-time EMA (a cold first step is outvoted)
     # A gain this far (relative) from the threshold is acted on before warmup_steps of each kind are in, from the
@@ -98,11 +82,11 @@ class AdaptiveSpecConfig:
     probe_interval: int = 8  # steps between probes of the path not taken, after a switch
     max_probe_interval: int = 128  # the interval doubles while probes keep losing, up to this
     # While drafting is off, probe with shadow steps (drafts scored against the target's own next tokens) instead
-    # of drafted ones. False: every probe of a draft-free bucket is a drafted step (before session 23).
+    # of drafted ones. False: every probe of a draft-free bucket is a drafted step.
     shadow_probes: bool = True
     # Buckets up to this batch size are timed at start-up (``calibrate``: a drafted and a draft-free step on dummy
     # batches), so they decide as soon as the accept length is known instead of measuring with drafted steps;
-    # 0: none, every bucket measures live (before session 24).
+    # 0: none, every bucket measures live.
     calibrate_max_batch_size: int = 32
 
     def __post_init__(self) -> None:

@@ -1,9 +1,9 @@
 """Start-up timing of a DFLASH/DSPARK worker's decode steps, so --speculative-adaptive's cost model starts warm.
 
-Without it every batch-size bucket a server visits measures itself with drafted steps (session 23: bucket 8 on the
-default pair on CPU, a drafted step ~3 plain ones, and the buckets 4, 2, 1 a wave's tail falls through each did the
-same), which is what ``simulate_adaptive.py`` found left of the policy's loss at concurrency 8 and 32. The accept
-length does not depend on the batch, the step costs do not depend on the traffic: timed once here, a bucket decides
+Without it every batch-size bucket a server visits measures itself with drafted steps (on the default pair on CPU a
+drafted step at batch 8 costs ~3 plain ones, and a wave's tail falls through buckets 4, 2 and 1, each measuring), the
+largest part of the policy's loss at concurrency 8 and 32 in ``simulate_adaptive.py``. The accept length does not
+depend on the batch, the step costs do not depend on the traffic: timed once here, a bucket decides
 as soon as any drafted step has sampled the accept length, and a bucket whose drafted step costs more plain steps
 than a verify can commit tokens never drafts (``AdaptiveSpeculation.calibrate``).
 

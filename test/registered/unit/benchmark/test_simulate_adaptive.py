@@ -29,8 +29,8 @@ def test_a_losing_draft_costs_little(bench):
 
 
 def test_a_marginal_draft_keeps_part_of_its_gain(bench):
-    # The policy before session 11 (an EMA of weight 0.25, doubling after every losing probe) drafted 4% here
-    # and was 1.01x plain.
+    # An accept estimate as fast as the step times (an EMA of weight 0.25) with the interval doubling after every
+    # losing probe drafts 4% of the steps here and is 1.01x plain.
     speed, share = mean_run(bench, "marginal (1.17x)")
     assert speed > 1.05 and share > 0.3
 
@@ -46,17 +46,15 @@ def test_on_traffic_the_policy_keeps_a_paying_drafts_gain_and_loses_little_to_a_
     # A draft whose verify commits 2.6 tokens against a drafted step's 1.9 plain steps at batch 1.
     assert traffic_run(bench, "conc 1, 8 requests", accept=[2, 2, 3, 3, 3]) > 1.3
     # The default draft on this CPU (1.67 tokens a verify) is at the threshold at batch 1 and loses above it; with
-    # the buckets calibrated at start-up, exploring costs under 1%. (Session 11's policy, with session 12's costs, a
-    # 5-token verify and a paying draft: 1.19x / 1.00x / 0.92x; each bucket of a falling wave of 32 measured with
-    # drafted steps.)
+    # the buckets calibrated at start-up, exploring costs under 1%.
     assert traffic_run(bench, "conc 1, 8 requests") > 0.99
     assert traffic_run(bench, "conc 8, 32 requests") > 0.99
     assert traffic_run(bench, "conc 32, one wave") > 0.99
 
 
 def test_calibrated_buckets_explore_less_than_buckets_measuring_live(bench):
-    # Uncalibrated (session 23's policy with session 23's costs): 0.987x at 8 and 0.972x at 32, each bucket a wave
-    # visits measuring itself with drafted steps; calibrated, 0.998x and 1.000x.
+    # Uncalibrated (--no-calibration): 0.987x at 8 and 0.972x at 32, each bucket a wave visits measuring itself with
+    # drafted steps; calibrated, 0.998x and 1.000x.
     for case in ("conc 8, 32 requests", "conc 32, one wave"):
         assert traffic_run(bench, case) > traffic_run(bench, case, calibrate_max_batch_size=0) + 0.005, case
 

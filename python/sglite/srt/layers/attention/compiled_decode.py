@@ -130,7 +130,7 @@ class CompiledDecodeAttention:
             # Forwards of several new tokens a request: the torch formulation reads every key of the longest sequence
             # for each new token, and a prompt's tokens each re-read their request's keys. A decode step reads each
             # request's keys once either way, and there Inductor's fused loop matched or beat the kernel
-            # (docs/benchmarks.md, "A paged attention kernel for prefills, session 20").
+            # (docs/benchmarks.md, "A paged attention kernel for prefills, mixed steps and verify blocks").
             o = self._kernel_attention(q, k_cache, v_cache, slots, layer)
         else:
             o = paged_causal_attention(q, k_cache, v_cache, slots, layer.scaling, layer.sliding_window)
@@ -147,7 +147,7 @@ class CompiledDecodeAttention:
     ) -> torch.Tensor:
         """``sglite::paged_attention`` over the pool's fp32 rows in place; a bf16 pool's rows of this forward are first
         widened into one fp32 copy (the batch's keys, a few per prompt token: exact, and cheap beside the attention
-        the kernel saves; docs/benchmarks.md, "bf16 on CPU, session 22")."""
+        the kernel saves; docs/benchmarks.md, "bf16 on CPU")."""
         kv_indices = slots.kv_indices
         if not _kernel_reads_in_place(k_cache.dtype):
             requests, keys = kv_indices.shape

@@ -1,14 +1,15 @@
 """A C++ CPU kernel for the compiled forwards' paged causal attention (csrc/paged_attention.cpp): ``sglite::paged_attention``.
 
-Traced by Inductor, the torch formulation (``compiled_decode.paged_causal_attention``) scores every key of the
-longest sequence for each new token, and each prompt token re-reads its request's keys: ~5% of a prefill of 32
-prompts of 32 tokens on SmolLM2, and a 1,024-token prompt took 1.9x as long as with this kernel (docs/benchmarks.md,
-"A paged attention kernel for prefills, session 20"). The kernel reads each key row once per new token for all query
-heads that share it and scores only the causal range. The compiled token graph (prefills, mixed steps, verify blocks)
-calls it; the decode graph keeps the torch formulation, which Inductor runs as fast there. It is plain C++ built on
-first use into sglite's kernel cache and called through ctypes (layers/cpu_kernel_build.py), inside the compiled graph
-as one opaque op. It serves fp32 with the head sizes in ``HEAD_DIMS`` and up to ``MAX_GROUP`` query heads per KV head;
-otherwise, on a non-x86 host, or with ``SGLITE_CPU_PAGED_ATTENTION_KERNEL=0`` (A/Bs), the torch formulation runs.
+Traced by Inductor, the torch formulation (``compiled_decode.paged_causal_attention``) scores every key of the longest
+sequence for each new token, and each prompt token re-reads its request's keys: ~5% of a prefill of 32 prompts of 32
+tokens on SmolLM2, and a 1,024-token prompt took 1.9x as long as with this kernel (docs/benchmarks.md, "A paged
+attention kernel for prefills, mixed steps and verify blocks"). The kernel reads each key row once per new token for
+all query heads that share it and scores only the causal range. The compiled token graph (prefills, mixed steps,
+verify blocks) calls it; the decode graph keeps the torch formulation, which Inductor runs as fast there. It is plain
+C++ built on first use into sglite's kernel cache and called through ctypes (layers/cpu_kernel_build.py), inside the
+compiled graph as one opaque op. It serves fp32 with the head sizes in ``HEAD_DIMS`` and up to ``MAX_GROUP`` query
+heads per KV head; otherwise, on a non-x86 host, or with ``SGLITE_CPU_PAGED_ATTENTION_KERNEL=0`` (A/Bs), the torch
+formulation runs.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
 // Traced by Inductor, the torch formulation (layers/attention/compiled_decode.py) computes every score as its own
 // 64-wide dot product with a horizontal sum, for every key of the longest sequence (masked ones included), and a
 // prompt token re-gathers its request's keys: a 1,024-token SmolLM2 prompt took 1.9x as long as with this kernel
-// (docs/benchmarks.md, "A paged attention kernel for prefills, session 20"). Here one task is a (request, KV head)
-// pair: each key row is read from the pool once per new token and multiplied into all of the query heads that share
-// it, only the causal (and sliding-window) range is scored, and the softmax's exp is a vectorised polynomial.
+// (docs/benchmarks.md, "A paged attention kernel for prefills, mixed steps and verify blocks"). Here one task is a
+// (request, KV head) pair: each key row is read from the pool once per new token and multiplied into all of the query
+// heads that share it, only the causal (and sliding-window) range is scored, and the softmax's exp is a vectorised
+// polynomial.
 //
 // Layouts: q [T, H, D], out [T, H, Dv], the pool's k [slots, Hkv, D] and v [slots, Hkv, Dv], all contiguous;
 // kv_indices [B, row_stride] (request b's keys are its first seq_lens[b] entries, its new tokens last). Token t
