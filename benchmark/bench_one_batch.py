@@ -108,6 +108,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Benchmark each batch size with both engines and print the ratio."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None, help="Target model dir; default: the embedded default model")
+    p.add_argument("--tiny-arch", default=None,
+                   help="Instead of --model-path, a tiny random model of this family built with transformers' config "
+                        "classes (sglite.testing.tiny_models: llama, qwen2, qwen3, qwen3_moe, deepseek_v3)")
+    p.add_argument("--tiny-layers", type=int, default=4, help="Layers of the --tiny-arch model")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
@@ -119,7 +123,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     from sglite.bench_offline import random_prompt_ids, resolve_model_dir
     from sglite.srt.configs.model_config import ModelConfig
 
-    model_path = resolve_model_dir(args.model_path, "bench_one_batch")
+    if args.tiny_arch is not None:
+        import tempfile
+
+        from sglite.testing.tiny_models import build_tiny_model
+
+        model_path = build_tiny_model(
+            tempfile.mkdtemp(prefix=f"tiny-{args.tiny_arch}-"), args.tiny_arch, with_tokenizer=False,
+            eos_token_id=None, num_hidden_layers=args.tiny_layers, max_position_embeddings=4096,
+        )
+    else:
+        model_path = resolve_model_dir(args.model_path, "bench_one_batch")
 
     vocab = ModelConfig.from_path(model_path).vocab_size
     results = []
