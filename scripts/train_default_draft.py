@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,7 @@ class DraftConfig:
     """Every knob of the run; the defaults are the shipped values."""
 
     out_dir: str = str(DRAFT_DIR)
-    work_dir: str = "/tmp/sglite_default_draft"
+    work_dir: str = os.path.join(tempfile.gettempdir(), "sglite_default_draft")
     # "all" | "data" (generate the reply chunks into work_dir and stop) | "token-map" (write out_dir's
     # token map from the reply chunks and stop)
     stage: str = "all"
