@@ -18,9 +18,8 @@ A bf16 model's forwards reach the kernel through an fp32 copy of their K/V rows,
 The model body only (embedding, layers, final norm; the LM head and logits stay eager). Other forwards (the
 draft's block, larger batches) run eagerly, as SGLang does above its captured batch sizes. A 32-token prompt at
 batch 1 runs 1.05x-1.17x as fast compiled, 1.02x-1.04x at batch 8 and 32; a mixed step (one 32-token prompt beside 7
-or 31 decode rows) 1.04x-1.09x, and with a 256-token prompt 1.10x-1.33x (docs/benchmarks.md, "CPU pinning and
-compiled prefill blocks, session 18", "Mixed steps compiled, session 19" and "A paged attention kernel for prefills,
-session 20"): the norms, rotary and SiLU*mul fuse as in decode; the GEMMs, which dominate these forwards, are the
+or 31 decode rows) 1.04x-1.09x, and with a 256-token prompt 1.10x-1.33x (docs/benchmarks.md, "CPU pinning" and
+"A paged attention kernel for prefills, mixed steps and verify blocks"): the norms, rotary and SiLU*mul fuse as in decode; the GEMMs, which dominate these forwards, are the
 same. The graphs are compiled at start-up (``warm_up``), so no request waits on a compile, and then called without
 Dynamo's guard check (``_direct_call``). Inductor caches its code on disk, so a later start with the same model
 recompiles faster. The numbers are not bit-identical to eager (fused fp32 arithmetic in another order): tests bound
@@ -72,7 +71,7 @@ MAX_ATTENTION_SCORES = 1 << 24
 MAX_WIDENED_KV_ELEMENTS = 1 << 24
 # Without the C++ kernel, the token graph's attention reads every key of the longest sequence for each new token, with
 # none of eager SDPA's reuse across one prompt's queries; it pays where the graph's fused element-wise ops save more.
-# Measured on SmolLM2 (docs/benchmarks.md, "Mixed steps compiled, session 19"): a prompt token breaks even at ~48
+# Measured on SmolLM2 (docs/benchmarks.md, "A paged attention kernel for prefills, mixed steps and verify blocks"): a prompt token breaks even at ~48
 # keys (a 1,024-token prompt took twice as long compiled), while each decode row of a mixed step saves what ~448
 # prompt-token key reads cost (eager, a mixed step's decode rows go through the prefill attention one request at a
 # time). A model with a wider hidden size has relatively cheaper attention, so these are on the safe side for it.
@@ -298,7 +297,7 @@ class CompiledDecodeRunner:
 
         The lookup evaluates ~5,600 guards a call, nearly all on this runner's own attributes (weights, KV buffers,
         config), which never change, and cost ~1.6 ms a forward: 9% of a SmolLM2 decode step at batch 1
-        (docs/benchmarks.md, "Compiled graphs called without the guard check, session 21"). What differs between
+        (docs/benchmarks.md, "Compiled graphs called without the guard check"). What differs between
         calls is fixed by ``_graph_inputs`` (int64, contiguous, inference mode) except which graph serves them, so
         ``run`` keys the two graphs by ``_serves_tokens``. vLLM's compiled forward dispatches to
         its compiled code the same way. Dynamo's cache is kept per code object, shared by every runner in a process,
