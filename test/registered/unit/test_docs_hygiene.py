@@ -62,13 +62,6 @@ def test_the_patterns_catch_what_they_are_for():
     assert not MACHINE_PATH.search("$TMPDIR/sglite") and not MACHINE_PATH.search(f"http://host{_T}x")
 
 
-def test_not_yet_cleaned_lists_only_directories_that_still_need_it():
-    for prefix in NOT_YET_CLEANED:
-        files = sorted(p for ext in ("*.py", "*.cpp") for p in (REPO / prefix).rglob(ext))
-        assert files, f"{prefix} does not exist: drop it from NOT_YET_CLEANED"
-        assert _hits(files, SESSION) + _hits(files, MACHINE_PATH), f"{prefix} is clean: drop it from NOT_YET_CLEANED"
-
-
 def test_benchmarks_page_is_short_with_one_line_table_rows():
     lines = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= BENCHMARKS_MAX_LINES, f"docs/benchmarks.md has {len(lines)} lines"
