@@ -27,7 +27,7 @@ DEVICES = ("cpu", "cuda")
 DRAFT_MODEL_QUANTIZATIONS = ("q8_0", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "follow_bootstrap_room")
 RAGGED_VERIFY_MODES = ("static", "cap-accept")  # SGLang's names (its "compact" packs ragged windows)
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 # A prompt's prefill on CPU spans several decode steps. A 64-token share per mixed step kept ITL p99/p50 at
@@ -104,8 +104,10 @@ class ServerArgs:
     )
     dist_init_addr: Optional[str] = _opt("host:port for torch.distributed rendezvous; default: a free local port")
     dist_timeout: int = _opt("Seconds before a distributed init or collective gives up", 60)
-    load_balance_method: str = _opt(
-        "How the data-parallel controller picks a DP group per request", "round_robin", LOAD_BALANCE_METHODS
+    load_balance_method: Optional[str] = _opt(
+        "How the data-parallel controller picks a DP group per request; default: follow_bootstrap_room on a PD "
+        "prefill node (group = bootstrap_room mod dp, which the decode node computes too), else round_robin",
+        None, LOAD_BALANCE_METHODS,
     )
 
     # Memory and scheduling.
@@ -269,9 +271,15 @@ class ServerArgs:
             ("--disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES),
             ("--disaggregation-transfer-backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS),
             ("--device", self.device, DEVICES + (None,)),
-            ("--load-balance-method", self.load_balance_method, LOAD_BALANCE_METHODS),
+            ("--load-balance-method", self.load_balance_method, LOAD_BALANCE_METHODS + (None,)),
         ):
             _require(value in allowed, f"{flag} {value!r} is unknown; choose one of {[a for a in allowed if a]}")
+        _require(
+            not (self.disaggregation_mode == "prefill" and self.dp_size > 1
+                 and self.resolved_load_balance_method() != "follow_bootstrap_room"),
+            "a PD prefill node with --dp-size > 1 needs --load-balance-method follow_bootstrap_room (the decode node "
+            "finds a request's prefill group as bootstrap_room % dp)",
+        )
         algo = self.speculative_algorithm
         if algo in SPECULATIVE_ALGORITHMS:
             _require(
@@ -348,6 +356,12 @@ class ServerArgs:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_load_balance_method(self) -> str:
+        """The DP group choice: the flag, else follow_bootstrap_room on a PD prefill node, else round_robin."""
+        if self.load_balance_method is not None:
+            return self.load_balance_method
+        return "follow_bootstrap_room" if self.disaggregation_mode == "prefill" else "round_robin"
 
     def resolved_attention_backend(self) -> str:
         """The attention backend: the flag, else triton on CUDA and torch_native on CPU."""

@@ -58,6 +58,40 @@ class SchedulerDisagg:
         return {}
 
 
+@dataclass(frozen=True)
+class PDRank:
+    """Where a scheduler rank sits among its node's KV holders.
+
+    ``num_groups`` DP groups (attention-DP groups, or replicas) of ``group_width`` ranks (the attention-TP
+    width) each; a request's KV lives on the ranks of one group. A prefill node serves a room in group
+    ``room % num_groups`` (its controller's ``follow_bootstrap_room``), so a decode rank's peer for a room is
+    prefill engine rank ``(room % num_groups) * group_width + rank_in_group``.
+    """
+
+    dp_rank: int
+    rank_in_group: int
+    group_width: int
+    num_groups: int
+
+    @property
+    def engine_rank(self) -> int:
+        """This rank's index over the node, unique across DP groups."""
+        return self.dp_rank * self.group_width + self.rank_in_group
+
+
+SINGLE_RANK = PDRank(dp_rank=0, rank_in_group=0, group_width=1, num_groups=1)
+
+
+def prefill_peer_rank(room: int, rank_in_group: int, prefill_group_width: int, prefill_num_groups: int) -> int:
+    """The prefill engine rank holding a room's KV for the decode rank at ``rank_in_group`` of its group."""
+    if rank_in_group >= prefill_group_width:
+        raise TransferError(
+            f"decode rank {rank_in_group} of its attention group has no prefill peer: the prefill node's groups "
+            f"are {prefill_group_width} wide; give both nodes the same attention-TP width (--tp-size / --dp-size)"
+        )
+    return (int(room) % prefill_num_groups) * prefill_group_width + rank_in_group
+
+
 class TransferError(RuntimeError):
     """A KV transfer could not complete (peer gone, timeout, backend error)."""
 

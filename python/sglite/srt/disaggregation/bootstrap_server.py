@@ -1,7 +1,8 @@
 """Bootstrap server on the prefill node: prefill ranks register, decode ranks look their peer up.
 
-Routes (JSON): PUT /route registers one prefill rank {engine_rank, host, zmq_port, session, buffers};
-GET /route?engine_rank=N returns it (404 until registered); GET /health answers 200.
+Routes (JSON): PUT /route registers one prefill rank {engine_rank, group_width, num_groups, host, zmq_port,
+session, buffers}; GET /route?engine_rank=N returns it, and GET /route?room=R&rank_in_group=r returns the rank
+of the group serving room R (``room % num_groups``) at place r (404 until registered); GET /health answers 200.
 It is a small threaded stdlib HTTP server so it can run beside the scheduler without an event loop.
 """
 
@@ -13,6 +14,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 from urllib.parse import parse_qs, urlparse
+
+from sglite.srt.disaggregation.base import TransferError, prefill_peer_rank
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +42,18 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path == "/route":
             q = parse_qs(url.query)
             try:
-                rank = int(q.get("engine_rank", ["0"])[0])
-            except ValueError:
-                self._reply(400, {"error": "engine_rank must be an integer"})
+                if "room" in q:
+                    rank = self._room_peer(int(q["room"][0]), int(q.get("rank_in_group", ["0"])[0]))
+                else:
+                    rank = int(q.get("engine_rank", ["0"])[0])
+            except ValueError as e:
+                self._reply(400, {"error": f"room, rank_in_group and engine_rank must be integers ({e})"})
+                return
+            except TransferError as e:
+                self._reply(400, {"error": str(e)})
+                return
+            if rank is None:
+                self._reply(404, {"error": "no prefill rank has registered yet"})
                 return
             with self.server.lock:
                 info = self.server.routes.get(rank)
@@ -51,6 +63,15 @@ class _Handler(BaseHTTPRequestHandler):
                 self._reply(200, info)
             return
         self._reply(404, {"error": f"unknown route {url.path}"})
+
+    def _room_peer(self, room: int, rank_in_group: int) -> Optional[int]:
+        """The engine rank of the prefill group serving ``room`` at ``rank_in_group`` (None before any registration)."""
+        with self.server.lock:
+            any_route = next(iter(self.server.routes.values()), None)
+        if any_route is None:
+            return None
+        return prefill_peer_rank(room, rank_in_group, int(any_route.get("group_width", 1)),
+                                 int(any_route.get("num_groups", 1)))
 
     def do_PUT(self) -> None:  # noqa: N802
         if urlparse(self.path).path != "/route":

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from sglite.srt.disaggregation.base import KVPoll, SchedulerDisagg
+from sglite.srt.disaggregation.base import KVPoll, PDRank, SchedulerDisagg
 from sglite.srt.disaggregation.kv_manager import DecodeKVManager
 from sglite.srt.disaggregation.transfer_backend import create_transfer_backend
 from sglite.srt.disaggregation.utils import agree_poll, transferable_kv_buffers
@@ -43,16 +43,16 @@ class DecodePrealloc(SchedulerDisagg):
         self.num_failed = 0
 
     @classmethod
-    def create(cls, scheduler: Any, worker: Any, server_args: Any, tp_rank: int, tp_group: Optional[Any]) -> "DecodePrealloc":
+    def create(cls, scheduler: Any, worker: Any, server_args: Any, rank: PDRank, group: Optional[Any]) -> "DecodePrealloc":
         """Register this rank's KV buffers with the transfer backend."""
         manager = DecodeKVManager(
             create_transfer_backend(server_args.disaggregation_transfer_backend, server_args.host),
             transferable_kv_buffers(worker),
-            engine_rank=tp_rank,
+            rank=rank,
             host=server_args.host,
             timeout_s=server_args.disaggregation_transfer_timeout,
         )
-        return cls(scheduler, manager, server_args.num_reserved_decode_tokens, tp_group)
+        return cls(scheduler, manager, server_args.num_reserved_decode_tokens, group)
 
     # ----------------------------------------------------------------- queue in
     def add(self, req: Req) -> bool:

@@ -28,8 +28,10 @@ from typing import Any, Optional, Sequence
 import zmq
 
 from sglite.srt.disaggregation.base import (
+    SINGLE_RANK,
     KVBufferSpec,
     KVPoll,
+    PDRank,
     TransferError,
     plan_copies,
 )
@@ -66,11 +68,12 @@ class _RoomEndpoint(abc.ABC):
     """What both sides share: registered KV buffers, a PULL socket for incoming messages, cached
     PUSH sockets to peers, and a lock-guarded table of rooms."""
 
-    def __init__(self, backend: TransferBackend, buffers: Sequence[KVBufferSpec], engine_rank: int,
+    def __init__(self, backend: TransferBackend, buffers: Sequence[KVBufferSpec], rank: PDRank,
                  host: str, timeout_s: float) -> None:
         self.backend = backend
         self.buffers = list(buffers)
-        self.engine_rank = engine_rank
+        self.rank = rank
+        self.engine_rank = rank.engine_rank
         self.timeout_s = timeout_s
         backend.register(self.buffers)
         self._ctx = zmq.Context.instance()
@@ -139,30 +142,46 @@ class PrefillKVManager(_RoomEndpoint):
         self,
         backend: TransferBackend,
         buffers: Sequence[KVBufferSpec],
-        engine_rank: int,
         bootstrap_url: str,
         host: str = "127.0.0.1",
         timeout_s: float = 300.0,
+        rank: PDRank = SINGLE_RANK,
     ) -> None:
-        super().__init__(backend, buffers, engine_rank, host, timeout_s)
+        super().__init__(backend, buffers, rank, host, timeout_s)
         self._work: "queue.Queue[Optional[int]]" = queue.Queue()
-        _http_json(
-            "PUT",
-            f"{bootstrap_url}/route",
-            {
-                "engine_rank": engine_rank,
-                "host": host,
-                "zmq_port": self._zmq_port,
-                "session": backend.session_id(),
-                "buffers": [b.to_wire() for b in self.buffers],
-            },
-        )
+        self._register(bootstrap_url, {
+            "engine_rank": rank.engine_rank,
+            "group_width": rank.group_width,
+            "num_groups": rank.num_groups,
+            "host": host,
+            "zmq_port": self._zmq_port,
+            "session": backend.session_id(),
+            "buffers": [b.to_wire() for b in self.buffers],
+        })
         self._threads = [
             threading.Thread(target=self._recv_loop, name="pd-prefill-recv", daemon=True),
             threading.Thread(target=self._transfer_loop, name="pd-prefill-xfer", daemon=True),
         ]
         for t in self._threads:
             t.start()
+
+    REGISTER_TIMEOUT_S = 30.0
+
+    @classmethod
+    def _register(cls, bootstrap_url: str, info: dict[str, Any]) -> None:
+        """PUT this rank's route, retrying while engine rank 0 (maybe another process) starts the server."""
+        deadline = time.monotonic() + cls.REGISTER_TIMEOUT_S
+        while True:
+            try:
+                _http_json("PUT", f"{bootstrap_url}/route", info)
+                return
+            except (urllib.error.URLError, OSError) as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"prefill rank {info['engine_rank']} could not register with the bootstrap server at "
+                        f"{bootstrap_url} within {cls.REGISTER_TIMEOUT_S:.0f} s ({e})"
+                    ) from e
+                time.sleep(0.1)
 
     # --------------------------------------------------------------- scheduler API
     def send(self, room: int, src_slots: Sequence[int], first_token: int, meta: dict[str, Any]) -> None:
@@ -251,11 +270,11 @@ class DecodeKVManager(_RoomEndpoint):
         self,
         backend: TransferBackend,
         buffers: Sequence[KVBufferSpec],
-        engine_rank: int,
         host: str = "127.0.0.1",
         timeout_s: float = 300.0,
+        rank: PDRank = SINGLE_RANK,
     ) -> None:
-        super().__init__(backend, buffers, engine_rank, host, timeout_s)
+        super().__init__(backend, buffers, rank, host, timeout_s)
         self._notify = f"tcp://{host}:{self._zmq_port}"
         self._peer_checked: dict[str, float] = {}  # prefill /health URL -> last probe time
         self._peer_down_since: dict[str, float] = {}  # prefill /health URL -> first failed probe
@@ -269,7 +288,7 @@ class DecodeKVManager(_RoomEndpoint):
         with self._lock:
             self._rooms[room] = _DecodeRoom(KVPoll.Transferring, time.monotonic() + self.timeout_s, f"{base}/health")
         try:
-            route = self._route(bootstrap_host, bootstrap_port)
+            route = self._route(bootstrap_host, bootstrap_port, room)
             self._push_json(
                 f"tcp://{route['host']}:{route['zmq_port']}",
                 {
@@ -322,9 +341,10 @@ class DecodeKVManager(_RoomEndpoint):
             return int(r.first_token), dict(r.meta)
 
 
-    def _route(self, host: str, port: int) -> dict[str, Any]:
-        # Looked up per room, not cached: a restarted prefill node re-registers with new endpoints.
-        return _http_json("GET", f"http://{host}:{port}/route?engine_rank={self.engine_rank}")
+    def _route(self, host: str, port: int, room: int) -> dict[str, Any]:
+        # Looked up per room, not cached: a restarted prefill node re-registers with new endpoints. The server
+        # picks the prefill rank of the room's group that matches this rank's place in its own group.
+        return _http_json("GET", f"http://{host}:{port}/route?room={int(room)}&rank_in_group={self.rank.rank_in_group}")
 
     @staticmethod
     def _peer_alive(url: str) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from sglite.srt.disaggregation.base import KVPoll, SchedulerDisagg
+from sglite.srt.disaggregation.base import KVPoll, PDRank, SchedulerDisagg
 from sglite.srt.disaggregation.bootstrap_server import BootstrapServer
 from sglite.srt.disaggregation.kv_manager import PrefillKVManager
 from sglite.srt.disaggregation.transfer_backend import create_transfer_backend
@@ -35,23 +35,21 @@ class PrefillHandoff(SchedulerDisagg):
         self.num_failed = 0
 
     @classmethod
-    def create(cls, scheduler: Any, worker: Any, server_args: Any, tp_rank: int, tp_group: Optional[Any]) -> "PrefillHandoff":
-        """Start the bootstrap server (rank 0) and register this rank's KV buffers with it."""
+    def create(cls, scheduler: Any, worker: Any, server_args: Any, rank: PDRank, group: Optional[Any]) -> "PrefillHandoff":
+        """Start the bootstrap server (engine rank 0) and register this rank's KV buffers and place with it."""
         server = None
-        if tp_rank == 0:
+        if rank.engine_rank == 0:
             server = BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port)
-        if tp_group is not None and tp_group.world_size > 1:
-            tp_group.all_gather_object(tp_rank)  # a barrier: peers register only once rank 0's server listens
         url = f"http://{server_args.host}:{server_args.disaggregation_bootstrap_port}"
         manager = PrefillKVManager(
             create_transfer_backend(server_args.disaggregation_transfer_backend, server_args.host),
             transferable_kv_buffers(worker),
-            engine_rank=tp_rank,
+            rank=rank,
             bootstrap_url=url,
             host=server_args.host,
             timeout_s=server_args.disaggregation_transfer_timeout,
         )
-        return cls(scheduler, manager, tp_group, server)
+        return cls(scheduler, manager, group, server)
 
     def hand_off(self, req: Req, first_token: int, first_token_logprob: Optional[float] = None) -> bool:
         """The request's prompt is prefilled: send its KV rows and first token (+ its logprob) to the decode node."""

@@ -72,9 +72,15 @@ class LoadBalancer:
         self.num_in_flight = [0] * dp_size
         self._next = 0
 
-    def assign(self, rid: str) -> int:
-        """The group that will serve rid (recorded until ``finished(rid)``)."""
-        if self.method == "round_robin":
+    def assign(self, rid: str, bootstrap_room: Optional[int] = None) -> int:
+        """The group that will serve rid (recorded until ``finished(rid)``).
+
+        ``follow_bootstrap_room`` (PD prefill nodes): group ``bootstrap_room % dp``, the group the decode
+        node's ranks ask for that room's KV; a request without a room takes the round-robin turn.
+        """
+        if self.method == "follow_bootstrap_room" and bootstrap_room is not None:
+            group = int(bootstrap_room) % self.dp_size
+        elif self.method in ("round_robin", "follow_bootstrap_room"):
             group = self._next
             self._next = (self._next + 1) % self.dp_size
         else:  # fewest requests in flight; ties go to the lowest group
@@ -134,11 +140,11 @@ class DataParallelController:
     def handle_request(self, msg: Any) -> None:
         """A message from the TokenizerManager."""
         if isinstance(msg, TokenizedGenerateReqInput):
-            self.send_to_group(self.balancer.assign(msg.rid), msg)
+            self.send_to_group(self.balancer.assign(msg.rid, msg.bootstrap_room), msg)
         elif isinstance(msg, BatchTokenizedGenerateReqInput):
             by_group: dict[int, list[TokenizedGenerateReqInput]] = {}
             for req in msg.batch:
-                by_group.setdefault(self.balancer.assign(req.rid), []).append(req)
+                by_group.setdefault(self.balancer.assign(req.rid, req.bootstrap_room), []).append(req)
             for group, reqs in by_group.items():  # each group still admits its share of the batch together
                 self.send_to_group(group, BatchTokenizedGenerateReqInput(batch=reqs))
         elif isinstance(msg, AbortReq):
@@ -211,7 +217,7 @@ def run_data_parallel_controller_process(server_args: ServerArgs, port_args: Por
     to_detok = ctx.socket(zmq.PUSH)
     to_detok.connect(port_args.detokenizer_ipc_name)
     controller = DataParallelController(
-        server_args.dp_size, server_args.load_balance_method,
+        server_args.dp_size, server_args.resolved_load_balance_method(),
         lambda d, m: to_groups[d].send_pyobj(m), to_detok.send_pyobj,
     )
     poller = zmq.Poller()

@@ -1,9 +1,12 @@
 """KV handoff between a prefill and a decode process: real Mooncake over TCP, slot rows land intact."""
 
+import json
 import multiprocessing as mp
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -11,10 +14,12 @@ import torch
 from sglite.srt.disaggregation.base import (
     KVBufferSpec,
     KVPoll,
+    PDRank,
     TransferError,
     buffer_specs_from_tensors,
     coalesce_slot_runs,
     plan_copies,
+    prefill_peer_rank,
 )
 from sglite.srt.disaggregation.bootstrap_server import BootstrapServer
 from sglite.srt.disaggregation.kv_manager import DecodeKVManager, PrefillKVManager
@@ -50,7 +55,7 @@ def _prefill_proc(port: int, ready, go, send_kv: bool):
     server = BootstrapServer("127.0.0.1", port)
     tensors = _buffers(fill=True)
     mgr = PrefillKVManager(create_transfer_backend("mooncake"), buffer_specs_from_tensors(tensors),
-                           engine_rank=0, bootstrap_url=f"http://127.0.0.1:{server.port}", timeout_s=30)
+                           bootstrap_url=f"http://127.0.0.1:{server.port}", timeout_s=30)
     ready.set()
     go.wait(30)
     if send_kv:
@@ -115,8 +120,7 @@ def test_mooncake_moves_target_and_draft_rows():
     p, port, go = _start_prefill(send_kv=True)
     try:
         dst_tensors = _buffers(fill=False)
-        mgr = DecodeKVManager(create_transfer_backend("mooncake"), buffer_specs_from_tensors(dst_tensors),
-                              engine_rank=0, timeout_s=30)
+        mgr = DecodeKVManager(create_transfer_backend("mooncake"), buffer_specs_from_tensors(dst_tensors), timeout_s=30)
         mgr.start(room=7, bootstrap_host="127.0.0.1", bootstrap_port=port, dst_slots=DST_SLOTS)
         go.set()
         assert _wait(mgr, 7) == KVPoll.Success, mgr.error(7)
@@ -137,8 +141,7 @@ def test_mooncake_moves_target_and_draft_rows():
 def test_decode_fails_room_when_prefill_dies():
     p, port, go = _start_prefill(send_kv=False)
     dst_tensors = _buffers(fill=False)
-    mgr = DecodeKVManager(create_transfer_backend("mooncake"), buffer_specs_from_tensors(dst_tensors),
-                          engine_rank=0, timeout_s=60)
+    mgr = DecodeKVManager(create_transfer_backend("mooncake"), buffer_specs_from_tensors(dst_tensors), timeout_s=60)
     mgr.start(room=9, bootstrap_host="127.0.0.1", bootstrap_port=port, dst_slots=DST_SLOTS)
     go.set()
     time.sleep(0.5)
@@ -155,9 +158,9 @@ def test_decode_fails_room_when_prefill_dies():
 def test_decode_times_out_room_and_unreachable_bootstrap_fails_at_once():
     server = BootstrapServer("127.0.0.1", 0)
     tensors = _buffers(fill=True)
-    PrefillKVManager(FakeTransferBackend(), buffer_specs_from_tensors(tensors), 0,
+    PrefillKVManager(FakeTransferBackend(), buffer_specs_from_tensors(tensors),
                      f"http://127.0.0.1:{server.port}", timeout_s=30)
-    mgr = DecodeKVManager(FakeTransferBackend(), buffer_specs_from_tensors(_buffers(False)), 0, timeout_s=0.5)
+    mgr = DecodeKVManager(FakeTransferBackend(), buffer_specs_from_tensors(_buffers(False)), timeout_s=0.5)
     mgr.start(room=1, bootstrap_host="127.0.0.1", bootstrap_port=server.port, dst_slots=DST_SLOTS)
     assert _wait(mgr, 1, timeout=5) == KVPoll.Failed
     assert "did not arrive" in mgr.error(1)
@@ -169,10 +172,10 @@ def test_decode_times_out_room_and_unreachable_bootstrap_fails_at_once():
 def test_fake_backend_completes_control_flow_without_moving_data():
     server = BootstrapServer("127.0.0.1", 0)
     src = _buffers(fill=True)
-    pre = PrefillKVManager(FakeTransferBackend(), buffer_specs_from_tensors(src), 0,
+    pre = PrefillKVManager(FakeTransferBackend(), buffer_specs_from_tensors(src),
                            f"http://127.0.0.1:{server.port}", timeout_s=30)
     dst = _buffers(fill=False)
-    dec = DecodeKVManager(FakeTransferBackend(), buffer_specs_from_tensors(dst), 0, timeout_s=30)
+    dec = DecodeKVManager(FakeTransferBackend(), buffer_specs_from_tensors(dst), timeout_s=30)
     dec.start(room=5, bootstrap_host="127.0.0.1", bootstrap_port=server.port, dst_slots=DST_SLOTS)
     pre.send(5, SRC_SLOTS, first_token=11, meta={})
     assert _wait(dec, 5, timeout=10) == KVPoll.Success
@@ -188,7 +191,29 @@ def test_close_while_the_receive_loop_polls_does_not_crash():
     within ~3-250 open/close cycles (it killed test_pd_scheduler under load). The loop now ends first."""
     specs = buffer_specs_from_tensors(_buffers(False))
     for i in range(30):
-        mgr = DecodeKVManager(FakeTransferBackend(), specs, 0, timeout_s=5)
+        mgr = DecodeKVManager(FakeTransferBackend(), specs, timeout_s=5)
         time.sleep(0.0005 * (i % 9))  # close at varying points of the 200 ms poll
         mgr.close()
         assert not any(t.is_alive() for t in mgr._threads)
+
+
+def test_a_room_pairs_with_the_prefill_group_that_serves_it():
+    """Prefill ranks register their place; a decode rank gets the rank of group room % groups at its own place."""
+    server = BootstrapServer("127.0.0.1", 0)
+    managers = [
+        PrefillKVManager(FakeTransferBackend(), buffer_specs_from_tensors(_buffers(fill=True)),
+                         f"http://127.0.0.1:{server.port}", timeout_s=30,
+                         rank=PDRank(dp_rank=d, rank_in_group=r, group_width=2, num_groups=2))
+        for d in range(2) for r in range(2)
+    ]
+    base = f"http://127.0.0.1:{server.port}/route"
+    for room, place, want in ((5, 0, 2), (5, 1, 3), (8, 0, 0), (8, 1, 1)):
+        got = json.loads(urllib.request.urlopen(f"{base}?room={room}&rank_in_group={place}").read())
+        assert got["engine_rank"] == want
+    with pytest.raises(urllib.error.HTTPError) as e:  # a place the prefill groups do not have
+        urllib.request.urlopen(f"{base}?room=5&rank_in_group=2")
+    assert e.value.code == 400 and "same attention-TP width" in e.value.read().decode()
+    assert prefill_peer_rank(9, 0, prefill_group_width=1, prefill_num_groups=1) == 0
+    for m in managers:
+        m.close()
+    server.close()

@@ -77,7 +77,7 @@ class Pair:
         self.d = Scheduler(ServerArgs(page_size=page_size, disaggregation_mode="decode"), self.wd, eos_token_ids=[EOS])
 
         self.start_prefill_node()
-        self.dm = DecodeKVManager(backend_cls(), _specs(self.wd), engine_rank=0, timeout_s=decode_timeout_s)
+        self.dm = DecodeKVManager(backend_cls(), _specs(self.wd), timeout_s=decode_timeout_s)
         self.d.disagg = DecodePrealloc(self.d, self.dm, num_reserved_decode_tokens=reserved)
         self.outs = {"p": [], "d": []}
         self.room = 1000
@@ -87,7 +87,7 @@ class Pair:
         self.wp = self.worker_cls(page_size=self.page_size, block_size=self.block_size, vocab_size=VOCAB)
         self.p = Scheduler(ServerArgs(page_size=self.page_size, disaggregation_mode="prefill"), self.wp,
                            eos_token_ids=[EOS])
-        self.pm = PrefillKVManager(self.backend_cls(), _specs(self.wp), engine_rank=0,
+        self.pm = PrefillKVManager(self.backend_cls(), _specs(self.wp),
                                    bootstrap_url=f"http://127.0.0.1:{self.port}", timeout_s=self.prefill_timeout_s)
         self.p.disagg = PrefillHandoff(self.p, self.pm, bootstrap_server=None)
 

@@ -134,3 +134,19 @@ def test_unknown_method_is_rejected():
         LoadBalancer(2, "random")
     with pytest.raises(ServerArgsError, match="--load-balance-method"):
         ServerArgs(load_balance_method="random").validate()
+
+
+def test_a_prefill_node_follows_the_bootstrap_room():
+    """PD prefill node: group = room % dp (the decode node computes the same); a request without a room round-robins."""
+    r = Recorder(2, "follow_bootstrap_room")
+    for room in (7, 4, 9, 10):
+        req = _req(f"r{room}")
+        req.bootstrap_room = room
+        r.ctrl.handle_request(req)
+    r.ctrl.handle_request(_req("no-room"))
+    assert r.groups_of(TokenizedGenerateReqInput) == [1, 0, 1, 0, 0]
+    assert ServerArgs(disaggregation_mode="prefill", dp_size=2, tp_size=2, enable_dp_attention=True).validate() \
+        .resolved_load_balance_method() == "follow_bootstrap_room"
+    assert ServerArgs(dp_size=2).validate().resolved_load_balance_method() == "round_robin"
+    with pytest.raises(ServerArgsError, match="needs --load-balance-method follow_bootstrap_room"):
+        ServerArgs(disaggregation_mode="prefill", dp_size=2, load_balance_method="shortest_queue").validate()
