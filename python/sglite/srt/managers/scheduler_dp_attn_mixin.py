@@ -20,20 +20,15 @@ class SchedulerDPAttentionMixin:
     """The per-iteration all-gather of "has work" and the IDLE forward (mixed into Scheduler)."""
 
     def init_dp_attention(self: "Scheduler") -> None:
-        """Find the attention-DP peers (None without DP attention); PD does not combine with them."""
+        """Find the attention-DP peers (None without DP attention)."""
         self.dp_peer_group = self.worker.dp_peer_group
-        if self.dp_peer_group is not None and self.disaggregation_mode in ("prefill", "decode"):
-            raise ValueError(
-                "--disaggregation-mode with --enable-dp-attention (attention-DP groups > 1) is not supported; "
-                "drop --enable-dp-attention on PD nodes"
-            )
         self._any_group_busy = False
 
     def sync_dp_groups(self: "Scheduler") -> bool:
         """DP attention: whether any attention-DP group has work this iteration (one small all-gather)."""
         if self.dp_peer_group is None:
             return self.has_work()
-        # PD is refused with DP attention, so there are no KV transfers to wait on here.
+        # A PD group waiting for KV has work too: the others keep stepping (IDLE forwards) until it arrives.
         self._any_group_busy = any(self.dp_peer_group.all_gather_object(self.has_work()))
         return self._any_group_busy
 
