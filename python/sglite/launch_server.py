@@ -37,6 +37,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = MODULE_PROG) -> int:
         format="[%(asctime)s %(processName)s] %(levelname)s %(name)s: %(message)s",
     )
     logger.info(describe_model_choice(parsed, args))
+    if args.node_rank > 0:  # a node other than 0 of a multi-node server: its scheduler ranks only
+        from sglite.srt.entrypoints.launcher import run_worker_node
+
+        return run_worker_node(args)
     from sglite.srt.entrypoints.http_server import launch_server
 
     return launch_server(args)

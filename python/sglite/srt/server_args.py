@@ -102,7 +102,12 @@ class ServerArgs:
         "Expert-parallel size of MoE layers: experts split over this many ranks of the TP group (it must divide "
         "--tp-size); the rest of the TP width splits each expert", 1,
     )
-    dist_init_addr: Optional[str] = _opt("host:port for torch.distributed rendezvous; default: a free local port")
+    dist_init_addr: Optional[str] = _opt(
+        "host:port of node 0 for torch.distributed rendezvous (and, with --nnodes > 1, the base port of the "
+        "front ends' TCP endpoints: port+1 ...); default: a free local port"
+    )
+    nnodes: int = _opt("Nodes one server spans; each runs its share of the scheduler ranks (SGLang's flag)", 1)
+    node_rank: int = _opt("This node's index in 0..--nnodes-1; node 0 serves HTTP, the others run schedulers only", 0)
     dist_timeout: int = _opt("Seconds before a distributed init or collective gives up", 60)
     load_balance_method: Optional[str] = _opt(
         "How the data-parallel controller picks a DP group per request; default: follow_bootstrap_room on a PD "
@@ -207,6 +212,22 @@ class ServerArgs:
         _require(self.tp_size >= 1, "--tp-size must be >= 1")
         _require(self.dp_size >= 1, "--dp-size must be >= 1")
         _require(self.attn_cp_size >= 1, "--attn-cp-size must be >= 1")
+        _require(self.nnodes >= 1, "--nnodes must be >= 1")
+        _require(0 <= self.node_rank < self.nnodes, f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1}")
+        if self.nnodes > 1:
+            _require(
+                self.dist_init_addr is not None and _host_port(self.dist_init_addr) is not None,
+                "--nnodes > 1 needs --dist-init-addr host:port of node 0 (every node passes the same one)",
+            )
+            _require(
+                self.dp_size == 1 or self.enable_dp_attention,
+                "--nnodes > 1 spans one torch world: use --tp-size (with --enable-dp-attention for --dp-size > 1), "
+                "not DP replicas",
+            )
+            _require(
+                self.tp_size % self.nnodes == 0,
+                f"--tp-size {self.tp_size} must be divisible by --nnodes {self.nnodes} (each node runs tp/nnodes ranks)",
+            )
         _require(
             self.ep_size >= 1 and self.tp_size % self.ep_size == 0,
             f"--ep-size {self.ep_size} must be >= 1 and divide --tp-size {self.tp_size} (experts split within the TP group)",
@@ -357,6 +378,15 @@ class ServerArgs:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    @property
+    def ranks_per_node(self) -> int:
+        """Scheduler ranks each node runs (multi-node spans one torch world of --tp-size ranks)."""
+        return (self.tp_size if self.enable_dp_attention else self.tp_size * self.dp_size) // self.nnodes
+
+    def local_ranks(self) -> range:
+        """The global scheduler ranks this node runs."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+
     def resolved_load_balance_method(self) -> str:
         """The DP group choice: the flag, else follow_bootstrap_room on a PD prefill node, else round_robin."""
         if self.load_balance_method is not None:
@@ -435,6 +465,14 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _host_port(addr: str) -> Optional[tuple[str, int]]:
+    """(host, port) of a ``host:port`` string, else None."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
 
 
 def _require(ok: bool, message: str) -> None:

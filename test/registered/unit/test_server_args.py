@@ -239,3 +239,18 @@ def test_mixed_chunk_defaults_follow_the_device():
     assert explicit.resolved_enable_mixed_chunk() is False
     assert explicit.resolved_mixed_chunk_prefill_size() == 256
     assert ServerArgs.from_cli(["--device", "cuda", "--enable-mixed-chunk"]).resolved_enable_mixed_chunk() is True
+
+
+def test_nodes_split_the_ranks_of_one_world():
+    args = ServerArgs(tp_size=4, dp_size=2, enable_dp_attention=True, nnodes=2, node_rank=1,
+                      dist_init_addr="10.0.0.1:5000").validate()
+    assert args.ranks_per_node == 2 and list(args.local_ranks()) == [2, 3]
+    assert list(ServerArgs(tp_size=2).validate().local_ranks()) == [0, 1]
+    from sglite.srt.entrypoints.launcher import front_tcp_base
+
+    assert front_tcp_base(args) == ("10.0.0.1", 5001)
+    assert front_tcp_base(ServerArgs().validate()) is None
+    with pytest.raises(ServerArgsError, match="divisible by --nnodes 2"):
+        ServerArgs(tp_size=3, nnodes=2, dist_init_addr="h:1").validate()
+    with pytest.raises(ServerArgsError, match="needs --dist-init-addr"):
+        ServerArgs(tp_size=2, nnodes=2, dist_init_addr="nohost").validate()

@@ -18,6 +18,9 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Optional
@@ -87,7 +90,7 @@ def launch_subprocesses(
     processes: list[tuple[str, Any]] = []
     readers = []
     with kill_on_failure(processes, port_args.ipc_dir):
-        for rank in range(world_size):
+        for rank in server_args.local_ranks():  # all of them on one node; node 0's share across nodes
             spawn_scheduler_rank(
                 ctx, entry, (server_args, port_args, rank, world_size), f"sglite-scheduler-{rank}",
                 f"scheduler rank {rank}", processes, readers,
@@ -215,7 +218,16 @@ def group_port_args(port_args: PortArgs, endpoints: DPEndpoints, placement: Rank
         detokenizer_ipc_name=endpoints.group_output_ipc_names[placement.dp_rank],
         dist_init_method=placement.dist_init_method,
         dp_rank=placement.dp_rank,  # the replica index (with DP attention the runtime derives the same value)
+        fronts_connect=endpoints.fronts_connect,
     )
+
+
+def front_tcp_base(server_args: ServerArgs) -> Optional[tuple[str, int]]:
+    """Across nodes: node 0's host and the first port of the front ends' TCP endpoints (--dist-init-addr's + 1)."""
+    if server_args.nnodes == 1:
+        return None
+    host, _, port = server_args.dist_init_addr.rpartition(":")
+    return host.strip("[]"), int(port) + 1
 
 
 
@@ -227,8 +239,9 @@ def _launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callabl
     n_worlds = 1 if server_args.enable_dp_attention else server_args.dp_size
     # The first world keeps --dist-init-addr (or the PortArgs port); further replicas get fresh local ports.
     inits = [port_args.dist_init_method] + [f"tcp://127.0.0.1:{free_port()}" for _ in range(n_worlds - 1)]
-    placements = plan_dp_placements(server_args, inits)
-    endpoints = DPEndpoints.create(port_args.ipc_dir, server_args.dp_size)
+    local = set(server_args.local_ranks())
+    placements = [pl for pl in plan_dp_placements(server_args, inits) if pl.global_rank in local]
+    endpoints = DPEndpoints.create(port_args.ipc_dir, server_args.dp_size, front_tcp_base(server_args))
     ctx = mp.get_context("spawn")
     processes: list[tuple[str, Any]] = []
     readers = []
@@ -313,3 +326,62 @@ def _visible_devices(devices: Optional[str]) -> Iterator[None]:
             del os.environ["CUDA_VISIBLE_DEVICES"]
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+# ====================================================================== nodes other than 0
+def run_worker_node(server_args: ServerArgs, *, scheduler_entry: Optional[SchedulerEntry] = None,
+                    startup_timeout_s: float = 600.0, poll_s: float = 1.0) -> int:
+    """``--node-rank > 0``: start this node's scheduler ranks, then watch them; no HTTP, no detokenizer.
+
+    They join node 0's ranks in one torch world at --dist-init-addr; a front rank (the first of an attention-DP
+    group, with DP attention) connects to node 0's controller. When a rank exits, the collectives it shared
+    fail on every node, so this node stops the rest and exits 1 with the rank that went first.
+    """
+    entry = scheduler_entry or _default_scheduler_entry()
+    if threading.current_thread() is threading.main_thread():  # SIGTERM stops the ranks too (the finally below)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    port_args = PortArgs.create(server_args)
+    ctx = mp.get_context("spawn")
+    processes: list[tuple[str, Any]] = []
+    readers: list[Any] = []
+    with kill_on_failure(processes, port_args.ipc_dir):
+        if server_args.dp_size > 1:
+            endpoints = DPEndpoints.create(port_args.ipc_dir, server_args.dp_size, front_tcp_base(server_args))
+            local = set(server_args.local_ranks())
+            for pl in plan_dp_placements(server_args, [port_args.dist_init_method]):
+                if pl.global_rank in local:
+                    spawn_scheduler_rank(
+                        ctx, entry, (server_args, group_port_args(port_args, endpoints, pl), pl.rank, pl.world_size),
+                        f"sglite-scheduler-dp{pl.dp_rank}-rank{pl.global_rank}",
+                        f"scheduler rank {pl.global_rank} (dp_rank {pl.dp_rank})", processes, readers,
+                    )
+        else:
+            for rank in server_args.local_ranks():
+                spawn_scheduler_rank(ctx, entry, (server_args, port_args, rank, server_args.tp_size),
+                                     f"sglite-scheduler-{rank}", f"scheduler rank {rank}", processes, readers)
+        try:
+            infos = [wait_ready(name, proc, reader, startup_timeout_s) for (name, proc), reader in zip(processes, readers)]
+        except LaunchError as e:
+            logger.error("node %d: start-up failed: %s", server_args.node_rank, e)
+            _kill_all(processes)
+            shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+            return 1
+    for info in infos:
+        if info.rank_report is not None:
+            logger.info("%s", format_rank_report(info.rank_report))
+    logger.info("node %d of %d: scheduler ranks %s ready; node 0 serves HTTP", server_args.node_rank,
+                server_args.nnodes, list(server_args.local_ranks()))
+    try:
+        while True:
+            dead = [(name, proc) for name, proc in processes if not proc.is_alive()]
+            if dead:
+                name, proc = dead[0]
+                logger.error("node %d: %s exited with code %s (a node of this server stopped); stopping this node",
+                             server_args.node_rank, name, proc.exitcode)
+                return 1
+            time.sleep(poll_s)
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    finally:
+        _kill_all(processes)
+        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)

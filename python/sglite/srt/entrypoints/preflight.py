@@ -21,8 +21,9 @@ from sglite.srt.server_args import ServerArgs, ServerArgsError
 
 def run_preflight(args: ServerArgs) -> None:
     """Raise ServerArgsError on the first mistake found (cheapest checks first)."""
-    check_port_free(args.host, args.port)
-    if args.disaggregation_mode == "prefill":  # the prefill node's bootstrap server binds a second port
+    if args.node_rank == 0:  # other nodes serve no HTTP
+        check_port_free(args.host, args.port)
+    if args.disaggregation_mode == "prefill" and args.node_rank == 0:  # the prefill node's bootstrap server binds a second port
         check_port_free(args.host, args.disaggregation_bootstrap_port, flag="--disaggregation-bootstrap-port")
     check_model_dir("--model-path", args.model_path)
     check_model_dir("--speculative-draft-model-path", args.speculative_draft_model_path)
@@ -132,10 +133,12 @@ def check_context_length(args: ServerArgs) -> None:
 
 def check_ranks_fit(args: ServerArgs) -> None:
     """One scheduler rank per device on CUDA, per core on CPU: more ranks than that cannot run."""
-    ranks = args.tp_size if args.enable_dp_attention else args.tp_size * args.dp_size
+    ranks = args.ranks_per_node
     if ranks == 1:
         return
     flags = "--tp-size" if args.dp_size == 1 or args.enable_dp_attention else "--tp-size x --dp-size"
+    if args.nnodes > 1:
+        flags += " / --nnodes"
     if _device(args) == "cuda":
         import torch
 

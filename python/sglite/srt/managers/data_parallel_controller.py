@@ -45,12 +45,21 @@ logger = logging.getLogger(__name__)
 class DPEndpoints:
     """ZMQ endpoints of the controller: one input and one output endpoint per DP group."""
 
-    group_input_ipc_names: list[str]  # controller PUSH (connects) -> group front PULL (binds)
+    group_input_ipc_names: list[str]  # controller PUSH -> group front PULL (the front binds, or connects: below)
     group_output_ipc_names: list[str]  # group front PUSH (connects) -> controller PULL (binds)
+    fronts_connect: bool = False  # multi-node: the controller binds the inputs too, at node 0's address
 
     @classmethod
-    def create(cls, ipc_dir: str, dp_size: int) -> "DPEndpoints":
-        """Endpoints in the server's ipc dir (removed with it at shutdown)."""
+    def create(cls, ipc_dir: str, dp_size: int, tcp_base: Optional[tuple[str, int]] = None) -> "DPEndpoints":
+        """Endpoints in the server's ipc dir (removed with it at shutdown), or, across nodes (``tcp_base``: node 0's
+        host and a base port), TCP ports ``base + 2d`` (input) and ``base + 2d + 1`` (output) of group d there."""
+        if tcp_base is not None:
+            host, base = tcp_base
+            return cls(
+                [f"tcp://{host}:{base + 2 * d}" for d in range(dp_size)],
+                [f"tcp://{host}:{base + 2 * d + 1}" for d in range(dp_size)],
+                fronts_connect=True,
+            )
         return cls(
             [f"ipc://{os.path.join(ipc_dir, f'dp{d}_input')}" for d in range(dp_size)],
             [f"ipc://{os.path.join(ipc_dir, f'dp{d}_output')}" for d in range(dp_size)],
@@ -205,9 +214,9 @@ def run_data_parallel_controller_process(server_args: ServerArgs, port_args: Por
     recv_requests = ctx.socket(zmq.PULL)
     recv_requests.bind(port_args.scheduler_input_ipc_name)
     to_groups = []
-    for name in endpoints.group_input_ipc_names:  # each front binds its input (run_scheduler_process)
+    for name in endpoints.group_input_ipc_names:  # each front binds its input (run_scheduler_process), or connects
         sock = ctx.socket(zmq.PUSH)
-        sock.connect(name)
+        sock.bind(name) if endpoints.fronts_connect else sock.connect(name)
         to_groups.append(sock)
     from_groups = []
     for name in endpoints.group_output_ipc_names:

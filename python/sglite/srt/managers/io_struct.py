@@ -337,6 +337,9 @@ class PortArgs:
     dist_init_method: str  # torch.distributed rendezvous for the scheduler ranks
     ipc_dir: str
     dp_rank: int = 0  # replica index of this TP world (DP without DP attention); set per world by the DP launcher
+    # Multi-node (--nnodes > 1): node 0 binds every endpoint a front rank uses and fronts connect, so a front on
+    # another node needs only node 0's address.
+    fronts_connect: bool = False
 
     @classmethod
     def create(cls, server_args: Any = None) -> "PortArgs":

@@ -143,7 +143,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, rank: int, wo
     if is_front:
         ctx = zmq.Context()
         recv_sock = ctx.socket(zmq.PULL)
-        recv_sock.bind(port_args.scheduler_input_ipc_name)
+        if port_args.fronts_connect:  # multi-node: node 0 binds every front's input
+            recv_sock.connect(port_args.scheduler_input_ipc_name)
+        else:
+            recv_sock.bind(port_args.scheduler_input_ipc_name)
         send_sock = ctx.socket(zmq.PUSH)
         send_sock.connect(port_args.detokenizer_ipc_name)
     pipe_writer.send(ready)
