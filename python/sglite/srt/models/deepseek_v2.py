@@ -96,7 +96,7 @@ class DeepseekV2MLAAttention(nn.Module):
         # One KV head whose key is the whole latent and whose value is its compressed part.
         self.attn = RadixAttention(
             self.num_heads, self.kv_lora_rank + rope, scaling, num_kv_heads=1, layer_id=layer_id,
-            v_head_dim=self.kv_lora_rank,
+            v_head_dim=self.kv_lora_rank, mla_rope_dim=rope,
         )
         self.w_kc: Optional[torch.Tensor] = None  # [heads, qk_nope, kv_lora]: set after loading
         self.w_vc: Optional[torch.Tensor] = None  # [heads, v, kv_lora]

@@ -1,4 +1,4 @@
-"""On CUDA: Llama / Qwen2 / Qwen3 with compiled Triton (and torch_native) attention equal transformers."""
+"""On CUDA: every served family with compiled Triton (and torch_native, flashinfer for MLA) equals transformers."""
 
 import pytest
 import torch
@@ -44,5 +44,29 @@ def test_cuda_models_match_transformers(arch, backend, tmp_path):
             runner.req_to_token_pool.free(rows)
             assert greedy_generate(runner, PROMPTS, 32) == expected
             assert greedy_generate(runner, SHARED_PROMPTS, 32, shared_prefix_len=len(SHARED)) == expected_shared
+        finally:
+            destroy_parallel_runtime()
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "torch_native"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_cuda_moe_families_match_transformers(arch, backend, tmp_path):
+    """MoE through the Triton fused experts; DeepSeek-V3 with DeepSeek's real MLA widths (kv_lora 512, rope 64),
+    the ones flashinfer's MLA kernels are built for."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+        if arch != "deepseek_v3":
+            pytest.skip("the flashinfer MLA path is what this case checks")
+    extra = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128) if arch == "deepseek_v3" else {}
+    d = build_tiny_model(str(tmp_path / arch), arch, seed=31, with_tokenizer=False, eos_token_id=None,
+                         num_hidden_layers=2, **extra)
+    hf = load_hf_model(d).cuda()
+    expected = hf_greedy(hf, PROMPTS, 16)
+    with scoped(parallel=ParallelState(tp_size=1)):
+        try:
+            args = ServerArgs(model_path=d, device="cuda", attention_backend=backend, page_size=1,
+                              max_total_tokens=4096, max_running_requests=8).validate()
+            runner = ModelRunner(args)
+            assert greedy_generate(runner, PROMPTS, 16) == expected
         finally:
             destroy_parallel_runtime()

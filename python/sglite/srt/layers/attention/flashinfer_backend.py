@@ -4,7 +4,8 @@ The token pool is viewed as flashinfer pages of one token (``[S, 1, Hkv, D]``, N
 request's page list is simply ``req_to_token[row, :seq_len]`` and any sglite page size works.
 EXTEND / TARGET_VERIFY plan the prefill wrapper causally (flashinfer aligns the causal mask to the
 end of the KV, i.e. query i at position P+i), DRAFT_BLOCK plans it non-causally, and DECODE uses the
-decode wrapper (or the prefill wrapper when v_head_dim != head_dim, which the decode kernels lack).
+decode wrapper (or the prefill wrapper when v_head_dim != head_dim, which the decode kernels lack). MLA layers
+(``RadixAttention.mla_rope_dim``) run flashinfer's MLA paged kernel over the latent pool in every mode.
 Plans are made once per batch and per distinct layer geometry, on the first layer that needs them.
 """
 
@@ -43,6 +44,7 @@ class FlashInferBatchIndex:
     kv_indptr: torch.Tensor  # [bs+1] int32
     kv_indices: torch.Tensor  # [sum(seq_lens)] int32 slot ids
     kv_last_page_len: torch.Tensor  # [bs] int32, all ones
+    kv_lens: torch.Tensor  # [bs] int32 keys per request (the MLA kernel's kv_len_arr)
     plans: dict[tuple, Any] = field(default_factory=dict)  # geometry key -> planned wrapper
 
 
@@ -87,6 +89,7 @@ class FlashInferAttnBackend(AttentionBackend):
             kv_indptr=_indptr(seq_lens),
             kv_indices=rows[valid].to(torch.int32),
             kv_last_page_len=torch.ones_like(seq_lens, dtype=torch.int32),
+            kv_lens=seq_lens.to(torch.int32),
         )
 
     def _wrapper(self, layer: "RadixAttention", forward_batch: "ForwardBatch", kv_dtype: torch.dtype, q_dtype: torch.dtype, causal: bool, decode: bool) -> Any:
@@ -116,7 +119,32 @@ class FlashInferAttnBackend(AttentionBackend):
         ix.plans[key] = wrapper
         return wrapper
 
+    def _mla_wrapper(self, layer: "RadixAttention", kv_dtype: torch.dtype, q_dtype: torch.dtype, causal: bool) -> Any:
+        """flashinfer's MLA paged kernel (compressed KV + rope key, absorbed weights), planned once per batch."""
+        ix = self.index
+        key = ("mla", causal, layer.num_heads, layer.v_head_dim, layer.mla_rope_dim, layer.scaling)
+        if key not in ix.plans:
+            wrapper = self.flashinfer.mla.BatchMLAPagedAttentionWrapper(self.workspace)
+            wrapper.plan(
+                ix.qo_indptr, ix.kv_indptr, ix.kv_indices, ix.kv_lens, layer.num_heads, layer.v_head_dim,
+                layer.mla_rope_dim, 1, causal, layer.scaling, q_dtype, kv_dtype,
+            )
+            ix.plans[key] = wrapper
+        return ix.plans[key]
+
+    def _run_mla(self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch", causal: bool) -> torch.Tensor:
+        if self.index is None or self.mode != mode_name(forward_batch):
+            raise RuntimeError("FlashInferAttnBackend.forward called before init_forward_metadata(forward_batch)")
+        latent = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)  # [S, 1, ckv + kpe]: one-token pages
+        wrapper = self._mla_wrapper(layer, latent.dtype, q.dtype, causal)
+        q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
+        ckv = layer.v_head_dim
+        o = wrapper.run(q3[..., :ckv], q3[..., ckv:], latent[..., :ckv], latent[..., ckv:])
+        return o.reshape(-1, layer.num_heads * layer.v_head_dim)
+
     def _run(self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch", causal: bool, decode: bool) -> torch.Tensor:
+        if layer.mla_rope_dim is not None:
+            return self._run_mla(q, layer, forward_batch, causal)
         pool = forward_batch.token_to_kv_pool
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)

@@ -27,6 +27,7 @@ class RadixAttention(nn.Module):
         layer_id: int,
         v_head_dim: Optional[int] = None,
         sliding_window: Optional[int] = None,
+        mla_rope_dim: Optional[int] = None,
     ) -> None:
         super().__init__()
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads != 0:
@@ -42,6 +43,11 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.layer_id = layer_id
         self.sliding_window = sliding_window
+        # MLA with absorbed weights: one KV head whose key is [compressed KV (v_head_dim) | rope key (mla_rope_dim)]
+        # and whose value is the compressed part. Backends with dedicated MLA kernels (flashinfer) read it.
+        self.mla_rope_dim = mla_rope_dim
+        if mla_rope_dim is not None and (num_kv_heads != 1 or self.v_head_dim + mla_rope_dim != head_dim):
+            raise ValueError(f"layer {layer_id}: an MLA layer has one KV head of v_head_dim + mla_rope_dim = head_dim")
 
     @property
     def kv_group_size(self) -> int:
