@@ -99,6 +99,11 @@ def run_transformers(model_path: str, prompts: list[list[int]], output_len: int,
     return _result("transformers", bs, n_in, output_len, prefill, steps)
 
 
+def _median_run(runs: list[OneBatchResult]) -> OneBatchResult:
+    """The run with the median decode throughput."""
+    return sorted(runs, key=lambda r: r.decode_tok_s)[len(runs) // 2]
+
+
 def _result(engine: str, bs: int, n_in: int, n_out: int, prefill: float, steps: list[float]) -> OneBatchResult:
     med = sorted(steps)[len(steps) // 2] if steps else 0.0
     return OneBatchResult(engine, bs, n_in, n_out, prefill, bs * n_in / prefill, med, bs / med if med else 0.0)
@@ -118,6 +123,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--attention-backend", default=None, help="sglite attention backend (default: per device)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="Interleaved rounds per batch size (the engines' order alternates); medians are compared")
     p.add_argument("--result-file", default=None, help="Write results as JSON here")
     args = p.parse_args(argv)
     from sglite.bench_offline import random_prompt_ids, resolve_model_dir
@@ -141,12 +148,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{'bs':>4} {'engine':<13} {'prefill s':>10} {'prefill tok/s':>14} {'decode step ms':>15} {'decode tok/s':>13}")
     for bs in args.batch_size:
         prompts = random_prompt_ids(bs, args.input_len, vocab, args.seed)
-        pair = [run_transformers(model_path, prompts, args.output_len, args.device),
-                run_sglite(model_path, prompts, args.output_len, args.device, args.attention_backend)]
-        # sglite's runner publishes the runtime context once per process: reset it for the next batch size.
         from sglite.srt.distributed.bootstrap import destroy_parallel_runtime
 
-        destroy_parallel_runtime()
+        rounds: dict[str, list[OneBatchResult]] = {"transformers": [], "sglite": []}
+        for i in range(args.rounds):
+            order = ("transformers", "sglite") if i % 2 == 0 else ("sglite", "transformers")
+            for engine in order:
+                if engine == "transformers":
+                    rounds[engine].append(run_transformers(model_path, prompts, args.output_len, args.device))
+                else:
+                    rounds[engine].append(
+                        run_sglite(model_path, prompts, args.output_len, args.device, args.attention_backend))
+                    # The runner publishes the runtime context once per process: reset it for the next run.
+                    destroy_parallel_runtime()
+        pair = [_median_run(rounds["transformers"]), _median_run(rounds["sglite"])]
         for r in pair:
             print(f"{bs:>4} {r.engine:<13} {r.prefill_latency_s:>10.4f} {r.prefill_tok_s:>14.1f} "
                   f"{1000 * r.median_decode_step_s:>15.2f} {r.decode_tok_s:>13.1f}")
