@@ -6,8 +6,9 @@ The tensor table and bytes come from ``configs.gguf_header`` (one mmap), not the
 Q8_0) those blocks too (``module.gguf_weight``), so decode-sized products read 0.6 bytes a weight instead of 4.
 
 Tensors come out in HF layout and HF names, full size, so each model's ``load_weights`` shards them
-for TP exactly as it shards a safetensors checkpoint. llama.cpp's converter permutes the rows of the
-Q and K projections of ``llama`` models (interleaved rope pairs); that permutation is undone here.
+for TP exactly as it shards a safetensors checkpoint. ``gguf_names`` maps the names (and splits MoE
+files' stacked experts, joins MLA's split kv_b). llama.cpp's converter permutes the rows of the Q and K
+projections of ``llama`` models (interleaved rope pairs); that permutation is undone here.
 """
 
 from __future__ import annotations
@@ -32,27 +33,9 @@ from sglite.srt.layers.cpu_gguf_linear import (
     gguf_kernel_available,
     gguf_weight_from_rows,
 )
+from sglite.srt.model_loader.gguf_names import DERIVED_TENSORS, PERMUTED_QK_ARCHS, hf_names, is_reshaped, to_hf_tensors
 
 logger = logging.getLogger(__name__)
-
-# Architectures whose GGUF converter interleaves the rope halves of Q and K rows.
-_PERMUTED_QK_ARCHS = ("llama",)
-# Tensors llama.cpp stores but our models derive from the config (rope frequencies).
-_DERIVED_TENSORS = ("rope_freqs.weight",)
-# HF per-layer module names (without .weight/.bias) our llama / qwen2 / qwen3 models load.
-_LAYER_MODULES = (
-    "input_layernorm",
-    "post_attention_layernorm",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "self_attn.q_norm",
-    "self_attn.k_norm",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -63,31 +46,15 @@ def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 def _in_hf_row_order(rows: np.ndarray, arch: str, model_config: ModelConfig, hf_name: str) -> np.ndarray:
     """A tensor's rows (dequantized weights, or their stored blocks) in HF order: llama's Q and K unpermuted."""
-    if arch in _PERMUTED_QK_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+    if arch in PERMUTED_QK_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = model_config.num_attention_heads if "q_proj" in hf_name else model_config.num_key_value_heads
         return unpermute_rope_rows(rows, heads)
     return rows
 
 
-def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
-    """GGUF tensor name -> HF tensor name, from the gguf package's own name table."""
-    import gguf
-
-    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
-    table = gguf.get_tensor_name_map(arch_enum, num_layers)
-    hf = ["model.embed_tokens", "model.norm", "lm_head"]
-    hf += [f"model.layers.{i}.{m}" for i in range(num_layers) for m in _LAYER_MODULES]
-    out: dict[str, str] = {}
-    for base in hf:
-        for suffix in (".weight", ".bias"):
-            name = table.get_name(base + suffix, try_suffixes=(".weight", ".bias"))
-            if name is not None:
-                out[name] = base + suffix
-    return out
-
-
-def _dequantize(header: GGUFHeader, tensor: GGUFTensorInfo) -> np.ndarray:
-    """The tensor as fp32 in numpy order, bit-equal to ``gguf.quants.dequantize`` on GGUFReader's data."""
+def _dequantize(header: GGUFHeader, tensor: GGUFTensorInfo, index: Optional[int] = None) -> np.ndarray:
+    """The tensor (or with ``index``, its ``index``-th slice on the outermost axis: one expert of a stacked tensor)
+    as fp32 in numpy order, bit-equal to ``gguf.quants.dequantize`` on GGUFReader's data."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -96,6 +63,10 @@ def _dequantize(header: GGUFHeader, tensor: GGUFTensorInfo) -> np.ndarray:
     except ValueError:
         raise GGUFError(f"{header.path}: tensor {tensor.name!r} has unknown GGML type id {tensor.ggml_type}") from None
     raw = header.tensor_bytes(tensor)  # (rows, bytes per row)
+    shape = tensor.shape
+    if index is not None:  # blocks never span rows, so a slice's rows dequantize on their own
+        per_slice = raw.shape[0] // shape[0]
+        raw, shape = raw[index * per_slice : (index + 1) * per_slice], shape[1:]
     # gguf.quants.dequantize walks a quantized tensor 16 rows at a time; one call over all its rows does
     # the same per-block arithmetic (so the same bits) with far fewer numpy calls.
     quant = getattr(gguf.quants, kind.name, None) if kind not in (Q.F32, Q.F16) else None
@@ -109,23 +80,28 @@ def _dequantize(header: GGUFHeader, tensor: GGUFTensorInfo) -> np.ndarray:
         raise GGUFError(
             f"{header.path}: tensor {tensor.name!r} uses GGUF quant type {kind.name}, which the gguf package cannot dequantize"
         ) from e
-    return np.asarray(data, dtype=np.float32).reshape(tensor.shape)
+    return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
 def iterate_gguf(path: str, model_config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, dequantized tensor in ``dtype``) for every tensor of the GGUF file at ``path``."""
+    """Yield (HF name, dequantized tensor in ``dtype``) for every tensor of the GGUF file at ``path`` (stacked
+    experts dequantized and yielded one expert at a time, MLA's split kv_b joined: ``gguf_names``)."""
     header = read_gguf_header(path)
     arch = header.metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
-    names = _hf_names(arch, model_config.num_hidden_layers)
-    for tensor in header.tensors:
-        if tensor.name in _DERIVED_TENSORS:
-            continue
-        hf_name = names.get(tensor.name)
-        if hf_name is None:
+    names = hf_names(arch, model_config.num_hidden_layers)
+    tensors = [t for t in header.tensors if t.name not in DERIVED_TENSORS]
+    for tensor in tensors:  # every name checked before any tensor is read
+        if tensor.name not in names and not is_reshaped(tensor.name):
             raise GGUFError(f"{path}: GGUF tensor {tensor.name!r} has no counterpart in {GGUF_ARCHITECTURES[arch]}")
-        weight = _in_hf_row_order(_dequantize(header, tensor), arch, model_config, hf_name)
+    by_name = {t.name: t for t in tensors}
+
+    def read(name: str, index: Optional[int]) -> np.ndarray:
+        return _dequantize(header, by_name[name], index)
+
+    for hf_name, data in to_hf_tensors(((t.name, t.shape) for t in tensors), names, read, path):
+        weight = _in_hf_row_order(data, arch, model_config, hf_name)
         # F32 tensors are read-only views of the mapped file: torch needs its own writable copy of those.
         owned = weight if weight.flags.writeable and weight.flags.c_contiguous else np.array(weight, dtype=np.float32)
         yield hf_name, torch.from_numpy(owned).to(dtype)
@@ -160,8 +136,8 @@ def attach_gguf_blocks(model: nn.Module, path: str, model_config: ModelConfig) -
         return 0
     header = read_gguf_header(path)
     arch = header.metadata.get("general.architecture")
-    hf_names = _hf_names(arch, model_config.num_hidden_layers)
-    tensors = {hf_names[t.name]: t for t in header.tensors if t.name in hf_names}
+    names = hf_names(arch, model_config.num_hidden_layers)
+    tensors = {names[t.name]: t for t in header.tensors if t.name in names}
     mapping = getattr(model, "stacked_params_mapping", ())
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
