@@ -17,7 +17,7 @@ from sglite.testing.runner_generate import greedy_generate
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
 SUITE = "unit-cpu"
-EST_TIME = 55
+EST_TIME = 75
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
 PROMPTS = [[5, 17, 300, 41, 7, 99, 250], [100, 200, 300], list(range(60, 84)), [42]]
@@ -180,3 +180,18 @@ def test_llama_with_attention_and_mlp_bias(tmp_path, rank0):
     assert runner.model.model.layers[0].self_attn.o_proj.bias is not None
     prompts = [list(range(100, 120)), [5, 6]]
     assert greedy_generate(runner, prompts, 32) == hf_greedy(hf, prompts, 32)
+
+
+def test_qwen3_moe_dense_layers_by_mlp_only_layers_and_sparse_step(tmp_path, rank0):
+    """Layer 0 listed in mlp_only_layers and every other layer off decoder_sparse_step 2 keep the dense MLP."""
+    d = str(tmp_path / "q3moe")
+    build_tiny_model(d, "qwen3_moe", seed=6, with_tokenizer=False, eos_token_id=None, num_hidden_layers=4,
+                     mlp_only_layers=[1], decoder_sparse_step=2)
+    hf = load_hf_model(d)
+    runner = make_runner(d)
+    kinds = [type(layer.mlp).__name__ for layer in runner.model.model.layers]
+    assert kinds == ["LlamaMLP", "LlamaMLP", "LlamaMLP", "Qwen3MoeSparseMoeBlock"]
+    assert [type(layer.mlp).__name__ for layer in hf.model.layers] == [
+        "Qwen3MoeMLP", "Qwen3MoeMLP", "Qwen3MoeMLP", "Qwen3MoeSparseMoeBlock"]
+    prompts = [list(range(100, 120)), [5, 6], [300, 1, 2, 3]]
+    assert greedy_generate(runner, prompts, 16) == hf_greedy(hf, prompts, 16)
