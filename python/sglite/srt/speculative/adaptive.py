@@ -221,10 +221,11 @@ class AdaptiveSpeculation:
             return BucketState(interval=self.config.probe_interval)
         logger.info(
             "adaptive speculation: batch bucket <= %d starts with drafting %s: cost %.2f plain steps (%s bucket %s), "
-            "accept len %.2f",
+            "accept len %s",
             key, "on" if prior.drafting else "off", prior.ratio,
             "bound by" if len(prior.sources) == 1 else "interpolated between",
-            " and ".join(map(str, prior.sources)), self.tokens,
+            " and ".join(map(str, prior.sources)),
+            "not measured yet" if self.tokens is None else f"{self.tokens:.2f}",  # None before any drafted step
         )
         return BucketState(drafting=prior.drafting, prior=prior, interval=prior.interval)
 

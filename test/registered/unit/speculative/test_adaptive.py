@@ -580,3 +580,14 @@ def test_bad_input_is_a_clear_error():
     ):
         with pytest.raises(ValueError, match=match):
             AdaptiveSpecConfig(**kw)
+
+
+def test_a_bucket_settled_by_a_neighbour_before_any_accept_length_logs_without_error(caplog):
+    """A neighbour that can never pay settles a new bucket before any drafted step: the start line says so."""
+    caplog.set_level(logging.INFO, logger="sglite.srt.speculative.adaptive")
+    p = AdaptiveSpeculation(CFG, max_tokens_per_step=3)
+    p.calibrate(8, [0.31] * 3, [0.10] * 3)
+    assert p.tokens is None
+    p.next_step(16)
+    assert p.buckets[16].drafting is False
+    assert "batch bucket <= 16 starts with drafting off" in caplog.text and "accept len not measured yet" in caplog.text
