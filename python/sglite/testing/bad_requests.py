@@ -96,6 +96,13 @@ def malformed_requests(model: str, context_len: int) -> list[BadRequest]:
         BadRequest("generate token out of vocab", gen, body={"input_ids": [10**9], "sampling_params": {"max_new_tokens": 2}}),
         BadRequest("generate negative token", gen, body={"input_ids": [-1], "sampling_params": {"max_new_tokens": 2}}),
         BadRequest("generate sampling_params string", gen, body={"text": "a", "sampling_params": "hot"}),
+        BadRequest("generate spaces_between_special_tokens string", gen,
+                   body={"text": "a", "sampling_params": {"spaces_between_special_tokens": "x"}}),
+        BadRequest("assistant tool_calls in the history", chat, body=c(messages=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])),
         BadRequest("generate max_new_tokens 0", gen, body={"text": "a", "sampling_params": {"max_new_tokens": 0}}),
         BadRequest("generate negative temperature", gen, body={"text": "a", "sampling_params": {"temperature": -1}}),
         BadRequest("generate batch rid mismatch", gen, body={"text": ["a", "b"], "rid": ["only-one"]}),

@@ -121,7 +121,8 @@ def create_app(runtime: LaunchedRuntime) -> FastAPI:
     if metrics is not None:
         tm.on_request_finished = metrics.observe_finished
 
-    app = FastAPI(title="sglite", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    # No slash redirects: Starlette builds them from the Host header (an open redirect); `/route/` is a 404.
+    app = FastAPI(title="sglite", docs_url=None, redoc_url=None, openapi_url="/openapi.json", redirect_slashes=False)
     app.state.runtime = runtime
     app.openapi = lambda: _openapi_with_request_models(app)
 

@@ -35,6 +35,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # SGLang's field; the fast (Rust) tokenizers sglite decodes with always join special tokens without spaces.
+    spaces_between_special_tokens: bool = True
     seed: Optional[int] = None
     n: int = 1
     # Logits processing before sampling (srt/sampling/penaltylib.py), SGLang's names and ranges.
@@ -81,7 +83,7 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of integers")
         if vocab_size is not None and any(t < 0 or t >= vocab_size for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
-        for name in ("ignore_eos", "skip_special_tokens"):  # "no" is truthy: never let a string stand for a bool
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):  # "no" is truthy
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):

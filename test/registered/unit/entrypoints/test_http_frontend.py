@@ -227,6 +227,12 @@ def test_metrics_count_requests(fake_server, client):
     assert "sglite:token_usage" in text
 
 
+def test_a_trailing_slash_is_a_404_never_a_redirect_built_from_the_host_header(fake_server):
+    r = httpx.post(fake_server.base + "/v1/chat/completions/", headers={**fake_server.headers, "Host": "evil.example"},
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and "location" not in r.headers
+
+
 def test_flush_cache_and_abort_routes(fake_server):
     h = fake_server.headers
     assert httpx.post(fake_server.base + "/flush_cache", headers=h).json()["success"] is True

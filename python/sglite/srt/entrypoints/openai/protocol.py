@@ -89,8 +89,13 @@ class ContentPart(_Lenient):
 
 
 class ChatMessage(_Lenient):
-    """One chat message."""
+    """One chat message. A history of tool calls is refused (tools are not served), never silently dropped."""
 
+    REFUSED: ClassVar[dict[str, str]] = {
+        "tool_calls": "an assistant message's tool calls: tool calling",
+        "tool_call_id": "a tool result message: tool calling",
+        "function_call": "a legacy function call: tool calling",
+    }
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
