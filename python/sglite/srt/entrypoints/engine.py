@@ -23,6 +23,8 @@ def server_info(runtime: LaunchedRuntime, internal_state: dict[str, Any]) -> dic
     """The /get_server_info payload: server args, the scheduler's plan, live internal states."""
     return {
         **runtime.server_args.to_dict(),
+        # The context length the server enforces (the flag, else the model's), not the flag's None.
+        "context_length": runtime.scheduler_info.context_len,
         "version": __version__,
         "scheduler_info": scheduler_info_dict(runtime.scheduler_info),
         "memory_plan": runtime.scheduler_info.memory_plan,

@@ -49,6 +49,7 @@ def test_models_and_info(fake_server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     info = httpx.get(fake_server.base + "/server_info", headers=fake_server.headers).json()
     assert info["api_key"] == "***" and info["max_total_num_tokens"] == TOTAL_SLOTS
+    assert info["context_length"] == CONTEXT_LEN  # what the server enforces, not the unset flag
     mi = httpx.get(fake_server.base + "/get_model_info", headers=fake_server.headers).json()
     assert mi["context_length"] == CONTEXT_LEN and mi["is_generation"] is True
     assert httpx.get(fake_server.base + "/model_info", headers=fake_server.headers).json() == mi
