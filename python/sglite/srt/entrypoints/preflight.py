@@ -34,6 +34,7 @@ def run_preflight(args: ServerArgs) -> None:
     check_chat_template(args)
     check_context_length(args)
     check_ranks_fit(args)
+    check_tokenizer(args)
 
 
 def check_load_format(args: ServerArgs) -> None:
@@ -112,6 +113,23 @@ def check_architecture(flag: str, path: Optional[str]) -> None:
         resolve_architecture(ModelConfig.from_path(path))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ServerArgsError(f"{flag} {path}: {e}") from None
+
+
+# Files one of which a Hugging Face tokenizer folder holds (a GGUF carries its tokenizer in its metadata).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def check_tokenizer(args: ServerArgs) -> None:
+    """The tokenizer folder (--tokenizer-path, else --model-path) holds a tokenizer: without one every text
+    request would fail, blaming the client."""
+    flag, path = ("--tokenizer-path", args.tokenizer_path) if args.tokenizer_path else ("--model-path", args.model_path)
+    if path is None or not os.path.isdir(path) or find_gguf_file(path) is not None:
+        return
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ServerArgsError(
+            f"{flag} {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "copy the model's tokenizer files there or pass --tokenizer-path"
+        )
 
 
 def check_context_length(args: ServerArgs) -> None:

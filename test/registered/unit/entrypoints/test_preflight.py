@@ -89,6 +89,11 @@ def test_unserved_architecture_is_one_line_naming_the_served_ones(tmp_path, arch
                             "Qwen3MoeForCausalLM")
 
 
+def test_a_folder_without_a_tokenizer_is_refused(model_dir):
+    r, elapsed = _launch("--model-path", model_dir, "--port", str(_free_port()))
+    _assert_one_clear_error(r, elapsed, "--model-path", "has no tokenizer", "--tokenizer-path")
+
+
 def test_busy_port_is_found_before_the_model_loads(model_dir):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
