@@ -79,8 +79,21 @@ class _Cursor:
     def string(self) -> str:
         (n,) = struct.unpack_from("<Q", self.buf, self.pos)
         start = self.pos + 8
+        if start + n > len(self.buf):
+            raise GGUFFormatError(f"{self.path}: a {n}-byte string at byte {start} runs past the end of the file")
         self.pos = start + n
-        return self.buf[start : self.pos].decode("utf-8")
+        try:
+            return self.buf[start : self.pos].decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFFormatError(f"{self.path}: the string at byte {start} is not UTF-8 (corrupt header)") from None
+
+    def check_count(self, count: int, min_bytes_each: int, what: str) -> None:
+        """A count whose items cannot fit in the rest of the file is corrupt (refused before any loop runs)."""
+        if count * min_bytes_each > len(self.buf) - self.pos:
+            raise GGUFFormatError(
+                f"{self.path}: the header claims {count} {what}, more than the {len(self.buf) - self.pos} bytes left "
+                "can hold (corrupt or truncated file)"
+            )
 
     def value(self, kind: int) -> Any:
         fmt = _SCALAR_FORMATS.get(kind)
@@ -91,6 +104,7 @@ class _Cursor:
         if kind == _ARRAY:
             item_kind, count = self.unpack("<IQ")
             item_fmt = _SCALAR_FORMATS.get(item_kind)
+            self.check_count(count, struct.calcsize(item_fmt) if item_fmt else 8, "array items")
             if item_fmt is not None:  # one unpack for the whole array
                 return list(self.unpack(f"<{count}{item_fmt[1]}"))
             if item_kind == _STRING:
@@ -117,6 +131,8 @@ def _parse(buf: Any, path: str) -> GGUFHeader:
     version, n_tensors, n_kv = cur.unpack("<IQQ")
     if version not in _SUPPORTED_VERSIONS:
         raise GGUFFormatError(f"{path}: GGUF version {version} is not supported (only {_SUPPORTED_VERSIONS})")
+    cur.check_count(n_kv, 8 + 4, "metadata keys")  # each: a key length and a value type at least
+    cur.check_count(n_tensors, 8 + 4 + 4 + 8, "tensors")  # each: name length, dims count, type, offset
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string()
@@ -132,7 +148,27 @@ def _parse(buf: Any, path: str) -> GGUFHeader:
     alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
     data_start = -(-cur.pos // alignment) * alignment
     tensors = tuple(GGUFTensorInfo(n, d, t, data_start + o) for n, d, t, o in table)
+    _check_tensor_data_fits(tensors, len(buf), path)
     return GGUFHeader(path, metadata, tensors, buf)
+
+
+def _check_tensor_data_fits(tensors: tuple[GGUFTensorInfo, ...], file_size: int, path: str) -> None:
+    """Every tensor's bytes lie inside the file: a truncated download is named here, not at the first read."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for t in tensors:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+        except (ValueError, KeyError):
+            raise GGUFFormatError(f"{path}: tensor {t.name!r} has unknown GGML type {t.ggml_type}") from None
+        elements = 1
+        for d in t.dims:
+            elements *= d
+        end = t.data_offset + elements // block * type_size
+        if end > file_size:
+            raise GGUFFormatError(
+                f"{path}: tensor {t.name!r} needs bytes up to {end} but the file has {file_size} (truncated download?)"
+            )
 
 
 __all__ = ["GGUFFormatError", "GGUFHeader", "GGUFTensorInfo", "read_gguf_header"]

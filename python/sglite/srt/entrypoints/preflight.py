@@ -35,6 +35,8 @@ def run_preflight(args: ServerArgs) -> None:
     check_context_length(args)
     check_ranks_fit(args)
     check_tokenizer(args)
+    check_safetensors_headers("--model-path", args.model_path)
+    check_safetensors_headers("--speculative-draft-model-path", args.speculative_draft_model_path)
 
 
 def check_load_format(args: ServerArgs) -> None:
@@ -113,6 +115,27 @@ def check_architecture(flag: str, path: Optional[str]) -> None:
         resolve_architecture(ModelConfig.from_path(path))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ServerArgsError(f"{flag} {path}: {e}") from None
+
+
+def check_safetensors_headers(flag: str, path: Optional[str]) -> None:
+    """Every safetensors file of the checkpoint opens: its header parses and covers the file (a truncated or
+    corrupt download is named here, in milliseconds, not when a scheduler loads it)."""
+    if path is None or not os.path.isdir(path) or find_gguf_file(path) is not None:
+        return
+    from safetensors import SafetensorError, safe_open
+
+    from sglite.srt.model_loader.weight_utils import WeightLoadingError, safetensors_files
+
+    try:
+        files = safetensors_files(path)
+    except WeightLoadingError as e:
+        raise ServerArgsError(f"{flag}: {e}") from None
+    for file in files:
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ServerArgsError(f"{flag}: {file} is not a readable safetensors file ({e})") from None
 
 
 # Files one of which a Hugging Face tokenizer folder holds (a GGUF carries its tokenizer in its metadata).

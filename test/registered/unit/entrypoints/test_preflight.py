@@ -89,6 +89,48 @@ def test_unserved_architecture_is_one_line_naming_the_served_ones(tmp_path, arch
                             "Qwen3MoeForCausalLM")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing"])
+def test_a_broken_safetensors_checkpoint_is_one_line_naming_the_file(tmp_path, damage):
+    from sglite.testing.tiny_models import build_tiny_model
+
+    d = build_tiny_model(str(tmp_path / "m"), "qwen3", num_hidden_layers=1)
+    weights = os.path.join(d, "model.safetensors")
+    if damage == "truncated":
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 2)
+    elif damage == "garbage":
+        with open(weights, "wb") as f:
+            f.write(b"\xff" * 64)
+    else:
+        os.remove(weights)
+    r, elapsed = _launch("--model-path", d, "--port", str(_free_port()))
+    _assert_one_clear_error(r, elapsed, "--model-path", "safetensors")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "impossible tensor count", "not utf-8"])
+def test_a_broken_gguf_is_one_line_naming_the_defect(tmp_path, damage):
+    import struct
+
+    from sglite.testing.tiny_gguf import write_gguf
+    from sglite.testing.tiny_models import build_tiny_model
+
+    d = build_tiny_model(str(tmp_path / "m"), "qwen3", num_hidden_layers=1)
+    path = write_gguf(d, str(tmp_path / "m.gguf"))
+    with open(path, "r+b") as f:
+        if damage == "truncated":
+            f.truncate(os.path.getsize(path) - 1000)
+        elif damage == "impossible tensor count":
+            f.seek(8)
+            f.write(struct.pack("<Q", 10**12))
+        else:  # the first metadata key's bytes
+            f.seek(4 + 4 + 8 + 8 + 8)
+            f.write(b"\xff\xfe")
+    r, elapsed = _launch("--model-path", path, "--port", str(_free_port()))
+    _assert_one_clear_error(r, elapsed, "--model-path", "m.gguf")
+    out = r.stderr
+    assert {"truncated": "truncated", "impossible tensor count": "claims", "not utf-8": "not UTF-8"}[damage] in out, out
+
+
 def test_a_folder_without_a_tokenizer_is_refused(model_dir):
     r, elapsed = _launch("--model-path", model_dir, "--port", str(_free_port()))
     _assert_one_clear_error(r, elapsed, "--model-path", "has no tokenizer", "--tokenizer-path")
