@@ -96,6 +96,10 @@ def malformed_requests(model: str, context_len: int) -> list[BadRequest]:
         BadRequest("generate token out of vocab", gen, body={"input_ids": [10**9], "sampling_params": {"max_new_tokens": 2}}),
         BadRequest("generate negative token", gen, body={"input_ids": [-1], "sampling_params": {"max_new_tokens": 2}}),
         BadRequest("generate sampling_params string", gen, body={"text": "a", "sampling_params": "hot"}),
+        BadRequest("completions 16 prompts x n 128", comp, body=p(prompt=["a"] * 16, n=128)),
+        BadRequest("generate 2 prompts x n 1000 in one sampling_params", gen,
+                   body={"text": ["a", "b"], "sampling_params": {"n": 1000, "max_new_tokens": 2}}),
+        BadRequest("stop strings of 64 x 1k characters", comp, body=p(stop=["x" * 1024] * 64)),
         BadRequest("generate spaces_between_special_tokens string", gen,
                    body={"text": "a", "sampling_params": {"spaces_between_special_tokens": "x"}}),
         BadRequest("assistant tool_calls in the history", chat, body=c(messages=[

@@ -10,6 +10,8 @@ from typing import Any, Optional, Union
 TOP_K_ALL = 1 << 30
 # Stop strings are matched on every new token of the request; more than this is abuse, not a use.
 MAX_STOP_STRINGS = 64
+# ... and their characters in all: each new token is matched against every stop string's tail.
+MAX_STOP_CHARS = 4096
 # Temperatures below this sample greedily (SGLang's _SAMPLING_EPS in sampling/sampling_params.py; vLLM
 # uses 1e-5): logits / 1e-39 overflow fp32 to inf and the softmax becomes NaN.
 SAMPLING_EPS = 1e-6
@@ -79,6 +81,8 @@ class SamplingParams:
             raise bad("stop", "must not contain empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
+            raise bad("stop", f"has {sum(len(s) for s in self.stop)} characters in all; at most {MAX_STOP_CHARS} are allowed")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of integers")
         if vocab_size is not None and any(t < 0 or t >= vocab_size for t in self.stop_token_ids):

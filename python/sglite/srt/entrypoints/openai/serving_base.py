@@ -111,11 +111,31 @@ async def read_request_model(request: Request, model_cls: type[BaseModel]) -> Un
 
 
 def check_batch_size(obj: GenerateReqInput, param: str) -> None:
-    """Raise RequestValidationError when a batched request holds more than MAX_BATCH_PROMPTS prompts."""
+    """Raise RequestValidationError when a request holds more than MAX_BATCH_PROMPTS prompts, or asks for more
+    than MAX_BATCH_PROMPTS sequences in all (prompts x n): one request may not occupy the server for everyone."""
     if obj.is_batch and obj.batch_size > MAX_BATCH_PROMPTS:
         raise RequestValidationError(
             f"the request holds {obj.batch_size} prompts; at most {MAX_BATCH_PROMPTS} are allowed in one request", param
         )
+    sequences = requested_sequences(obj)
+    if sequences > MAX_BATCH_PROMPTS:
+        raise RequestValidationError(
+            f"the request asks for {sequences} sequences (prompts x n); at most {MAX_BATCH_PROMPTS} are allowed in "
+            "one request", "n",
+        )
+
+
+def requested_sequences(obj: GenerateReqInput) -> int:
+    """Prompts times their ``n`` (a wrong-typed n counts as 1 here: SamplingParams.verify refuses it by name)."""
+
+    def n_of(params: object) -> int:
+        n = params.get("n", 1) if isinstance(params, dict) else 1
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+    prompts = obj.batch_size if obj.is_batch else 1
+    if isinstance(obj.sampling_params, list):
+        return sum(n_of(p) for p in obj.sampling_params)
+    return prompts * n_of(obj.sampling_params)
 
 
 async def run_until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
