@@ -98,14 +98,19 @@ class DeepseekV2MLAAttention(nn.Module):
             self.num_heads, self.kv_lora_rank + rope, scaling, num_kv_heads=1, layer_id=layer_id,
             v_head_dim=self.kv_lora_rank, mla_rope_dim=rope,
         )
-        self.w_kc: Optional[torch.Tensor] = None  # [heads, qk_nope, kv_lora]: set after loading
-        self.w_vc: Optional[torch.Tensor] = None  # [heads, v, kv_lora]
+        self.w_kc: Optional[nn.Parameter] = None  # [heads, qk_nope, kv_lora]: set after loading
+        self.w_vc: Optional[nn.Parameter] = None  # [heads, v, kv_lora]
 
     def process_weights_after_loading(self) -> None:
-        """Split ``kv_b_proj`` into the absorbed ``W_UK`` and ``W_UV`` (per head, latent on the last axis)."""
+        """Split ``kv_b_proj`` into the absorbed ``W_UK`` and ``W_UV`` (per head, latent on the last axis), then drop it.
+
+        Attention never expands K/V, so ``kv_b_proj`` has no other use: keeping it would hold its bytes twice
+        (about 2 GB over DeepSeek-V3's layers in bf16). The two halves stay parameters, the weights a rank holds.
+        """
         w = self.kv_b_proj.weight.detach().unflatten(0, (self.num_heads, self.qk_nope_head_dim + self.v_head_dim))
-        self.w_kc = w[:, : self.qk_nope_head_dim].contiguous()
-        self.w_vc = w[:, self.qk_nope_head_dim :].contiguous()
+        self.w_kc = nn.Parameter(w[:, : self.qk_nope_head_dim].contiguous(), requires_grad=False)
+        self.w_vc = nn.Parameter(w[:, self.qk_nope_head_dim :].contiguous(), requires_grad=False)
+        del self.kv_b_proj
 
     def _rope(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.rope_perm is not None:
