@@ -121,6 +121,7 @@ class ServerArgs:
     cpu_kv_cache_budget_mb: int = _opt("KV-pool byte budget on CPU, in MiB (CPU has no memory profile)", 256)
     max_total_tokens: Optional[int] = _opt("Upper bound on KV-pool tokens (only lowers the planned capacity)")
     max_running_requests: Optional[int] = _opt("Maximum concurrently running requests")
+    max_queued_requests: Optional[int] = _opt("Requests a scheduler keeps waiting; over it a new one is a 503 with Retry-After")
     page_size: int = _opt("Tokens per KV page", 1)
     chunked_prefill_size: int = _opt("Maximum prefill tokens per forward (-1 disables chunking)", 2048)
     schedule_policy: str = _opt("Waiting-queue order: longest prefix match or first come first served", "lpm", SCHEDULE_POLICIES)
@@ -269,6 +270,7 @@ class ServerArgs:
                 "stored in the model dtype)",
             )
         _require(self.cpu_kv_cache_budget_mb > 0, "--cpu-kv-cache-budget-mb must be > 0")
+        _require(self.max_queued_requests is None or self.max_queued_requests >= 1, "--max-queued-requests must be >= 1")
         _require(self.max_total_tokens is None or self.max_total_tokens > 0, "--max-total-tokens must be > 0")
         _require(
             self.max_running_requests is None or self.max_running_requests > 0,

@@ -171,6 +171,14 @@ class Scheduler(
             req.finished_reason = finish_abort(error)
             self._touch(req)
             return
+        cap = self.server_args.max_queued_requests
+        if cap is not None and len(self.waiting_queue) >= cap:  # SGLang's --max-queued-requests: shed load early
+            req.finished_reason = finish_abort(
+                f"the server's request queue is full ({cap} waiting, --max-queued-requests); retry later",
+                status_code=503,
+            )
+            self._touch(req)
+            return
         if self.disagg.add(req):  # PD decode node: the KV comes from a prefill node
             return
         self.waiting_queue.append(req)

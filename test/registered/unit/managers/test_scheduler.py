@@ -506,3 +506,20 @@ def test_an_accelerator_fault_is_a_process_fault():
     s.add_request(_req("r0", [5, 6, 7]))
     with pytest.raises(RuntimeError, match="CUDA error"):
         s.run_until_idle()
+
+
+def test_max_queued_requests_sheds_new_requests_with_a_503_and_serves_the_rest():
+    w = FakeModelWorker(page_size=1, vocab_size=VOCAB, max_running_requests=2)
+    s = _sched(w, max_queued_requests=3)
+    prompts = _prompts(5, seed=9)
+    for i, p in enumerate(prompts):  # nothing has stepped yet: all wait, so the 4th and 5th are over the cap
+        s.add_request(_req(f"r{i}", p, max_new=6, ignore_eos=True))
+    res = _collect(s.run_until_idle())
+    for i, p in enumerate(prompts):
+        ids, reason, _, _ = res[f"r{i}"]
+        if i < 3:
+            assert ids == reference_generate(p, 6, VOCAB, ignore_eos=True)
+        else:
+            assert ids == [] and reason["type"] == "abort" and reason["status_code"] == 503
+            assert "--max-queued-requests" in reason["message"]
+    _assert_no_leak(s)

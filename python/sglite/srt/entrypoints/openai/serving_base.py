@@ -46,9 +46,18 @@ def abort_error_response(metas: list[dict[str, Any]]) -> Optional[JSONResponse]:
         reason = meta.get("finish_reason") or {}
         if reason.get("type") == "abort" and reason.get("status_code"):
             code = int(reason["status_code"])
+            if code == 503:  # shed load (a full queue): the client may retry, and is told when
+                response = error_response(str(reason.get("message", "aborted")), status=503,
+                                          err_type="ServiceUnavailableError")
+                response.headers["Retry-After"] = RETRY_AFTER_S
+                return response
             return error_response(str(reason.get("message", "aborted")), status=code,
                                   err_type="InternalServerError" if code >= 500 else "BadRequestError")
     return None
+
+
+# Seconds a client told "queue full" waits before retrying (a decode step is milliseconds; a queue drains in seconds).
+RETRY_AFTER_S = "1"
 
 
 def validation_error_message(e: ValidationError) -> tuple[str, Optional[str]]:

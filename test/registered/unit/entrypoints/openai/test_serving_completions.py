@@ -42,3 +42,14 @@ def test_steps_whose_text_is_held_back_still_stream_a_chunk():
     assert [c["text"] for c in choices] == ["a", "", "é", "", "b"]
     assert [c["finish_reason"] for c in choices] == [None] * 4 + ["length"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_a_shed_request_is_a_503_with_retry_after():
+    from sglite.srt.entrypoints.openai.serving_base import abort_error_response
+    from sglite.srt.managers.io_struct import finish_abort
+
+    reason = finish_abort("the server's request queue is full (3 waiting, --max-queued-requests); retry later", 503)
+    response = abort_error_response([{"finish_reason": reason}])
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    assert b"ServiceUnavailableError" in response.body and b"--max-queued-requests" in response.body
+    assert abort_error_response([{"finish_reason": finish_abort("transfer failed", 500)}]).status_code == 500
