@@ -21,6 +21,21 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"MoE activation {activation!r} is not supported (silu, gelu)")
 
 
+def sort_pairs_by_expert(
+    topk_ids: torch.Tensor, num_local_experts: int, first_local_expert: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs routed to this rank's experts, as flat indices into ``topk_ids`` sorted by expert,
+    and ``bounds`` ``[E_local + 1]``: local expert e's pairs are ``pairs[bounds[e]:bounds[e + 1]]``.
+
+    One stable sort groups the pairs by expert; other ranks' experts fall outside ``[0, E_local)`` and are cut off.
+    """
+    flat_ids = (topk_ids - first_local_expert).reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    bounds = torch.searchsorted(flat_ids[order], torch.arange(num_local_experts + 1, device=flat_ids.device))
+    first, last = bounds[[0, -1]].tolist()
+    return order[first:last], bounds - first
+
+
 def fused_moe_native(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -41,24 +56,17 @@ def fused_moe_native(
     if hidden_states.shape[0] == 0:
         return out
     num_local = w13.shape[0]
-    k = topk_ids.shape[1]
-    flat_ids = (topk_ids - first_local_expert).reshape(-1)
-    # One sort groups the (token, slot) pairs by expert: each local expert's pairs are one contiguous run,
-    # bounded where the sorted ids first reach e and e + 1 (other ranks' experts fall outside [0, E_local)).
-    order = torch.argsort(flat_ids, stable=True)
-    bounds = torch.searchsorted(flat_ids[order], torch.arange(num_local + 1, device=flat_ids.device))
-    first, last = bounds[[0, -1]].tolist()
-    pairs = order[first:last]
-    tokens = pairs // k
+    pairs, bounds = sort_pairs_by_expert(topk_ids, num_local, first_local_expert)
+    tokens = pairs // topk_ids.shape[1]
     routing = topk_weights.reshape(-1)[pairs, None]
     if _grouped_mm_serves(hidden_states, w2):
         # One grouped GEMM per projection over the expert runs (2.4x the per-expert loop at 8 experts on CPU).
-        ends = (bounds[1:] - first).to(torch.int32)
+        ends = bounds[1:].to(torch.int32)
         h = act_and_mul(torch._grouped_mm(hidden_states.index_select(0, tokens), w13.transpose(1, 2), offs=ends),
                         activation)
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends) * routing.to(h.dtype)
         return out.index_add_(0, tokens, y.to(out.dtype))
-    runs = (bounds - first).tolist()
+    runs = bounds.tolist()
     for expert in range(num_local):
         begin, end = runs[expert], runs[expert + 1]
         if begin == end:

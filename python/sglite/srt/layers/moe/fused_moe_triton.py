@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from sglite.srt.layers.attention.triton_ops.common import dot_in_fp32
-from sglite.srt.layers.moe.fused_moe_native import act_and_mul
+from sglite.srt.layers.moe.fused_moe_native import act_and_mul, sort_pairs_by_expert
 
 BLOCK_M = 16
 BLOCK_N = 32
@@ -66,17 +66,12 @@ def align_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair ids sorted by expert, each expert padded to ``block_m`` with the sentinel ``T*k``; expert per block)."""
     num_pairs = topk_ids.numel()
-    local_ids = topk_ids.reshape(-1) - first_local_expert
-    is_local = (local_ids >= 0) & (local_ids < num_local_experts)
-    pairs = torch.nonzero(is_local).flatten()
-    experts = local_ids[pairs]
-    order = torch.argsort(experts, stable=True)
-    pairs, experts = pairs[order], experts[order]
-    counts = torch.bincount(experts, minlength=num_local_experts)
+    pairs, bounds = sort_pairs_by_expert(topk_ids, num_local_experts, first_local_expert)
+    counts = bounds[1:] - bounds[:-1]
+    experts = torch.repeat_interleave(torch.arange(num_local_experts, device=topk_ids.device), counts)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_start = torch.cumsum(padded, 0) - padded
-    run_start = torch.cumsum(counts, 0) - counts
-    dest = padded_start[experts] + torch.arange(pairs.numel(), device=pairs.device) - run_start[experts]
+    dest = padded_start[experts] + torch.arange(pairs.numel(), device=pairs.device) - bounds[:-1][experts]
     sorted_pairs = torch.full((int(padded.sum()),), num_pairs, dtype=torch.int64, device=topk_ids.device)
     sorted_pairs[dest] = pairs
     block_experts = torch.repeat_interleave(torch.arange(num_local_experts, device=topk_ids.device), padded // block_m)

@@ -92,6 +92,12 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        # The expert computation for the device the weights live on, chosen once (not on every step).
+        self.experts_fn = fused_moe_native
+        if self.w13_weight.is_cuda:  # the Triton grouped GEMMs, checked against the native path on CPU
+            from sglite.srt.layers.moe.fused_moe_triton import fused_moe_triton
+
+            self.experts_fn = fused_moe_triton
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
         """Copy this rank's slice of one expert's gate / up / down matrix (other ranks' experts are skipped)."""
@@ -115,10 +121,7 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """Route, run this rank's experts, and (with ``reduce_results``) sum the partials over the TP group."""
         weights, ids = select_experts(router_logits, self.topk, correction_bias)
-        experts = fused_moe_native
-        if hidden_states.is_cuda:  # the Triton grouped GEMMs (checked against the native path on CPU)
-            from sglite.srt.layers.moe.fused_moe_triton import fused_moe_triton as experts
-        out = experts(
+        out = self.experts_fn(
             hidden_states, self.w13_weight, self.w2_weight, weights, ids,
             first_local_expert=self.first_local_expert, activation=self.activation,
         )
