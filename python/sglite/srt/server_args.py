@@ -98,10 +98,8 @@ class ServerArgs:
     enable_dp_attention: bool = _opt("Run attention data-parallel (attn_tp = tp / dp) and the MLP at tp", False)
     attn_cp_size: int = _opt("Attention context-parallel size", 1)
     pp_size: int = _opt("Pipeline-parallel size (only 1 is supported)", 1)
-    ep_size: int = _opt(
-        "Expert-parallel size of MoE layers: experts split over this many ranks of the TP group (it must divide "
-        "--tp-size); the rest of the TP width splits each expert", 1,
-    )
+    ep_size: int = _opt("MoE experts split over this many ranks of the TP group (dividing --tp-size); the rest of "
+                        "the TP width splits each expert", 1)
     dist_init_addr: Optional[str] = _opt(
         "host:port of node 0 for torch.distributed rendezvous (and, with --nnodes > 1, the base port of the "
         "front ends' TCP endpoints: port+1 ...); default: a free local port"
@@ -217,7 +215,7 @@ class ServerArgs:
         _require(0 <= self.node_rank < self.nnodes, f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1}")
         if self.nnodes > 1:
             _require(
-                self.dist_init_addr is not None and _host_port(self.dist_init_addr) is not None,
+                self.dist_init_addr is not None and host_port(self.dist_init_addr) is not None,
                 "--nnodes > 1 needs --dist-init-addr host:port of node 0 (every node passes the same one)",
             )
             _require(
@@ -381,9 +379,14 @@ class ServerArgs:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
+    def num_scheduler_ranks(self) -> int:
+        """Scheduler processes of the server: --tp-size per DP replica, or --tp-size in all with DP attention."""
+        return self.tp_size if self.enable_dp_attention else self.tp_size * self.dp_size
+
+    @property
     def ranks_per_node(self) -> int:
-        """Scheduler ranks each node runs (multi-node spans one torch world of --tp-size ranks)."""
-        return (self.tp_size if self.enable_dp_attention else self.tp_size * self.dp_size) // self.nnodes
+        """Scheduler ranks each node runs (--nnodes > 1 spans one torch world)."""
+        return self.num_scheduler_ranks // self.nnodes
 
     def local_ranks(self) -> range:
         """The global scheduler ranks this node runs."""
@@ -469,7 +472,7 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _host_port(addr: str) -> Optional[tuple[str, int]]:
+def host_port(addr: str) -> Optional[tuple[str, int]]:
     """(host, port) of a ``host:port`` string, else None."""
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

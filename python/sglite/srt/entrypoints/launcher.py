@@ -31,7 +31,7 @@ from sglite.srt.managers.data_parallel_controller import DPEndpoints, run_data_p
 from sglite.srt.managers.detokenizer_manager import load_tokenizer
 from sglite.srt.managers.io_struct import PortArgs, SchedulerInitError, SchedulerReady, free_port
 from sglite.srt.managers.tokenizer_manager import TokenizerManager
-from sglite.srt.server_args import ServerArgs
+from sglite.srt.server_args import ServerArgs, host_port
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,7 @@ def launch_subprocesses(
     readers = []
     with kill_on_failure(processes, port_args.ipc_dir):
         for rank in server_args.local_ranks():  # all of them on one node; node 0's share across nodes
-            spawn_scheduler_rank(
-                ctx, entry, (server_args, port_args, rank, world_size), f"sglite-scheduler-{rank}",
-                f"scheduler rank {rank}", processes, readers,
-            )
+            spawn_tp_rank(ctx, entry, server_args, port_args, rank, processes, readers)
         detok = spawn_detokenizer(ctx, server_args, port_args, processes)
         tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
         infos = [wait_ready(name, proc, reader, startup_timeout_s) for (name, proc), reader in zip(processes, readers)]
@@ -123,6 +120,24 @@ def spawn_scheduler_rank(
     writer.close()  # the child holds the only write end: EOF on the reader means it died
     processes.append((label, proc))
     readers.append(reader)
+
+
+def spawn_tp_rank(ctx: Any, entry: SchedulerEntry, server_args: ServerArgs, port_args: PortArgs, rank: int,
+                  processes: list[tuple[str, Any]], readers: list[Any]) -> None:
+    """Start TP rank ``rank`` of a server without DP groups."""
+    spawn_scheduler_rank(ctx, entry, (server_args, port_args, rank, server_args.tp_size), f"sglite-scheduler-{rank}",
+                         f"scheduler rank {rank}", processes, readers)
+
+
+def spawn_placed_rank(ctx: Any, entry: SchedulerEntry, server_args: ServerArgs, port_args: PortArgs,
+                      endpoints: "DPEndpoints", pl: "RankPlacement", processes: list[tuple[str, Any]],
+                      readers: list[Any], devices: Optional[str] = None) -> None:
+    """Start the rank of a DP server at placement ``pl`` (``devices``: its replica's visible CUDA devices)."""
+    spawn_scheduler_rank(
+        ctx, entry, (server_args, group_port_args(port_args, endpoints, pl), pl.rank, pl.world_size),
+        f"sglite-scheduler-dp{pl.dp_rank}-rank{pl.global_rank}", f"scheduler rank {pl.global_rank} (dp_rank {pl.dp_rank})",
+        processes, readers, start_context=_visible_devices(devices),
+    )
 
 
 def spawn_detokenizer(ctx: Any, server_args: ServerArgs, port_args: PortArgs, processes: list[tuple[str, Any]]) -> Any:
@@ -222,12 +237,18 @@ def group_port_args(port_args: PortArgs, endpoints: DPEndpoints, placement: Rank
     )
 
 
+def local_dp_placements(server_args: ServerArgs, dist_init_methods: list[str]) -> list[RankPlacement]:
+    """The placements of the ranks this node runs (all of them on one node)."""
+    local = set(server_args.local_ranks())
+    return [pl for pl in plan_dp_placements(server_args, dist_init_methods) if pl.global_rank in local]
+
+
 def front_tcp_base(server_args: ServerArgs) -> Optional[tuple[str, int]]:
     """Across nodes: node 0's host and the first port of the front ends' TCP endpoints (--dist-init-addr's + 1)."""
     if server_args.nnodes == 1:
         return None
-    host, _, port = server_args.dist_init_addr.rpartition(":")
-    return host.strip("[]"), int(port) + 1
+    host, port = host_port(server_args.dist_init_addr)  # validate() checked it parses
+    return host, port + 1
 
 
 
@@ -239,8 +260,7 @@ def _launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callabl
     n_worlds = 1 if server_args.enable_dp_attention else server_args.dp_size
     # The first world keeps --dist-init-addr (or the PortArgs port); further replicas get fresh local ports.
     inits = [port_args.dist_init_method] + [f"tcp://127.0.0.1:{free_port()}" for _ in range(n_worlds - 1)]
-    local = set(server_args.local_ranks())
-    placements = [pl for pl in plan_dp_placements(server_args, inits) if pl.global_rank in local]
+    placements = local_dp_placements(server_args, inits)
     endpoints = DPEndpoints.create(port_args.ipc_dir, server_args.dp_size, front_tcp_base(server_args))
     ctx = mp.get_context("spawn")
     processes: list[tuple[str, Any]] = []
@@ -255,12 +275,8 @@ def _launch_dp_subprocesses(server_args: ServerArgs, *, scheduler_entry: Callabl
         processes.append(("data-parallel controller", controller))
         replica_devices = _replica_cuda_devices(server_args)
         for pl in placements:
-            spawn_scheduler_rank(
-                ctx, scheduler_entry, (server_args, group_port_args(port_args, endpoints, pl), pl.rank, pl.world_size),
-                f"sglite-scheduler-dp{pl.dp_rank}-rank{pl.global_rank}",
-                f"scheduler rank {pl.global_rank} (dp_rank {pl.dp_rank})", processes, readers,
-                start_context=_visible_devices(replica_devices[pl.dp_rank] if replica_devices else None),
-            )
+            spawn_placed_rank(ctx, scheduler_entry, server_args, port_args, endpoints, pl, processes, readers,
+                              devices=replica_devices[pl.dp_rank] if replica_devices else None)
         spawn_detokenizer(ctx, server_args, port_args, processes)
         tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
         infos = [
@@ -344,28 +360,19 @@ def run_worker_node(server_args: ServerArgs, *, scheduler_entry: Optional[Schedu
     ctx = mp.get_context("spawn")
     processes: list[tuple[str, Any]] = []
     readers: list[Any] = []
-    with kill_on_failure(processes, port_args.ipc_dir):
-        if server_args.dp_size > 1:
-            endpoints = DPEndpoints.create(port_args.ipc_dir, server_args.dp_size, front_tcp_base(server_args))
-            local = set(server_args.local_ranks())
-            for pl in plan_dp_placements(server_args, [port_args.dist_init_method]):
-                if pl.global_rank in local:
-                    spawn_scheduler_rank(
-                        ctx, entry, (server_args, group_port_args(port_args, endpoints, pl), pl.rank, pl.world_size),
-                        f"sglite-scheduler-dp{pl.dp_rank}-rank{pl.global_rank}",
-                        f"scheduler rank {pl.global_rank} (dp_rank {pl.dp_rank})", processes, readers,
-                    )
-        else:
-            for rank in server_args.local_ranks():
-                spawn_scheduler_rank(ctx, entry, (server_args, port_args, rank, server_args.tp_size),
-                                     f"sglite-scheduler-{rank}", f"scheduler rank {rank}", processes, readers)
-        try:
+    try:
+        with kill_on_failure(processes, port_args.ipc_dir):  # kills what started and removes the ipc dir
+            if server_args.dp_size > 1:
+                endpoints = DPEndpoints.create(port_args.ipc_dir, server_args.dp_size, front_tcp_base(server_args))
+                for pl in local_dp_placements(server_args, [port_args.dist_init_method]):
+                    spawn_placed_rank(ctx, entry, server_args, port_args, endpoints, pl, processes, readers)
+            else:
+                for rank in server_args.local_ranks():
+                    spawn_tp_rank(ctx, entry, server_args, port_args, rank, processes, readers)
             infos = [wait_ready(name, proc, reader, startup_timeout_s) for (name, proc), reader in zip(processes, readers)]
-        except LaunchError as e:
-            logger.error("node %d: start-up failed: %s", server_args.node_rank, e)
-            _kill_all(processes)
-            shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
-            return 1
+    except LaunchError as e:
+        logger.error("node %d: start-up failed: %s", server_args.node_rank, e)
+        return 1
     for info in infos:
         if info.rank_report is not None:
             logger.info("%s", format_rank_report(info.rank_report))

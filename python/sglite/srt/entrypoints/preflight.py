@@ -12,27 +12,30 @@ import errno
 import glob
 import os
 import socket
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from sglite.srt.configs.gguf import GGUFError, find_gguf_file
 from sglite.srt.managers.template_manager import load_chat_template
 from sglite.srt.server_args import ServerArgs, ServerArgsError
 
+if TYPE_CHECKING:
+    from sglite.srt.configs.model_config import ModelConfig
+
 
 def run_preflight(args: ServerArgs) -> None:
     """Raise ServerArgsError on the first mistake found (cheapest checks first)."""
-    if args.node_rank == 0:  # other nodes serve no HTTP
+    if args.node_rank == 0:  # other nodes bind no port: no HTTP server, no bootstrap server
         check_port_free(args.host, args.port)
-    if args.disaggregation_mode == "prefill" and args.node_rank == 0:  # the prefill node's bootstrap server binds a second port
-        check_port_free(args.host, args.disaggregation_bootstrap_port, flag="--disaggregation-bootstrap-port")
+        if args.disaggregation_mode == "prefill":  # the prefill node's bootstrap server binds a second port
+            check_port_free(args.host, args.disaggregation_bootstrap_port, flag="--disaggregation-bootstrap-port")
     check_model_dir("--model-path", args.model_path)
     check_model_dir("--speculative-draft-model-path", args.speculative_draft_model_path)
     check_model_dir("--tokenizer-path", args.tokenizer_path, needs_config=False)
     check_load_format(args)
-    check_architecture("--model-path", args.model_path)
+    model_config = check_architecture("--model-path", args.model_path)
     check_architecture("--speculative-draft-model-path", args.speculative_draft_model_path)
     check_chat_template(args)
-    check_context_length(args)
+    check_context_length(args, model_config)
     check_ranks_fit(args)
     check_tokenizer(args)
     check_safetensors_headers("--model-path", args.model_path)
@@ -104,17 +107,20 @@ def check_model_dir(flag: str, path: Optional[str], *, needs_config: bool = True
         raise ServerArgsError(f"{flag} {config} is not readable by this user; fix its permissions")
 
 
-def check_architecture(flag: str, path: Optional[str]) -> None:
-    """The checkpoint's config (config.json or GGUF metadata) resolves and names an architecture sglite serves."""
+def check_architecture(flag: str, path: Optional[str]) -> Optional[ModelConfig]:
+    """The checkpoint's config (config.json or GGUF metadata) resolves and names an architecture sglite serves;
+    returns it (None without ``path``)."""
     if path is None:
-        return
+        return None
     from sglite.srt.configs.model_config import ModelConfig
     from sglite.srt.models.registry import resolve_architecture
 
     try:
-        resolve_architecture(ModelConfig.from_path(path))
+        config = ModelConfig.from_path(path)
+        resolve_architecture(config)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ServerArgsError(f"{flag} {path}: {e}") from None
+    return config
 
 
 def check_safetensors_headers(flag: str, path: Optional[str]) -> None:
@@ -155,16 +161,13 @@ def check_tokenizer(args: ServerArgs) -> None:
         )
 
 
-def check_context_length(args: ServerArgs) -> None:
-    """--context-length fits the model's positions (rope has no angles past them), as SGLang requires."""
-    if args.context_length is None or args.model_path is None:
-        return
-    from sglite.srt.configs.model_config import ModelConfig
+def check_context_length(args: ServerArgs, model_config: Optional[ModelConfig]) -> None:
+    """--context-length fits the model's positions (rope has no angles past them), as SGLang requires.
 
-    try:
-        model_max = ModelConfig.from_path(args.model_path).max_position_embeddings
-    except (OSError, ValueError, KeyError) as e:
-        raise ServerArgsError(f"--model-path {args.model_path}: config.json cannot be read ({e})") from e
+    ``model_config``: the --model-path config ``check_architecture`` read."""
+    if args.context_length is None or model_config is None:
+        return
+    model_max = model_config.max_position_embeddings
     if args.context_length > model_max:
         raise ServerArgsError(
             f"--context-length {args.context_length} exceeds the model's max_position_embeddings {model_max}; "

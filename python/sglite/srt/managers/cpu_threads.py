@@ -120,11 +120,6 @@ def frontend_cpus(
     return tuple(c for c in sorted(available) if c not in taken)
 
 
-def num_scheduler_ranks(tp_size: int, dp_size: int, enable_dp_attention: bool) -> int:
-    """Scheduler processes of one server: ``tp_size`` per DP replica, or ``tp_size`` in all with DP attention."""
-    return tp_size if enable_dp_attention else tp_size * dp_size
-
-
 def scheduler_rank_index(rank: int, world_size: int, dp_rank: int, enable_dp_attention: bool) -> int:
     """A scheduler process's index among all of its server's (the launcher's global rank)."""
     return rank if enable_dp_attention else dp_rank * world_size + rank
@@ -134,7 +129,7 @@ def _server_inputs(server_args: "ServerArgs") -> dict:
     """What a plan reads besides the rank: the flag, the rank count, the env values and this process's CPUs."""
     return dict(
         cpu_threads=server_args.cpu_threads,
-        num_ranks=num_scheduler_ranks(server_args.tp_size, server_args.dp_size, server_args.enable_dp_attention),
+        num_ranks=server_args.num_scheduler_ranks,
         bind=os.environ.get(OMP_BIND_ENV),
         available=tuple(os.sched_getaffinity(0)),
         omp_num_threads=os.environ.get("OMP_NUM_THREADS"),

@@ -8,7 +8,6 @@ import pytest
 from sglite.srt.managers.cpu_threads import (
     CpuThreadPlan,
     frontend_cpus,
-    num_scheduler_ranks,
     parse_cpu_list,
     plan_cpu_threads,
     scheduler_rank_index,
@@ -59,8 +58,8 @@ def test_flag_wins_and_env_binds_each_rank_to_its_cpus():
 
 
 def test_rank_indices_follow_the_launchers_global_ranks():
-    assert num_scheduler_ranks(2, 3, enable_dp_attention=False) == 6
-    assert num_scheduler_ranks(4, 2, enable_dp_attention=True) == 4
+    assert ServerArgs(tp_size=2, dp_size=3, enable_dp_attention=False).num_scheduler_ranks == 6
+    assert ServerArgs(tp_size=4, dp_size=2, enable_dp_attention=True).num_scheduler_ranks == 4
     assert [scheduler_rank_index(r, 2, d, False) for d in range(3) for r in range(2)] == list(range(6))
     assert scheduler_rank_index(3, 4, 1, True) == 3
 
