@@ -42,6 +42,16 @@ class GGUFTensorInfo:
         """The shape in numpy / torch order (outermost first)."""
         return tuple(reversed(self.dims))
 
+    def row_layout(self) -> tuple[int, int]:
+        """(rows, bytes per row) of the stored tensor: rows are its innermost dimension, in quantized blocks."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+        rows = 1
+        for d in self.dims[1:]:
+            rows *= d
+        return rows, self.dims[0] // block * type_size
+
 
 @dataclass(frozen=True)
 class GGUFHeader:
@@ -54,13 +64,7 @@ class GGUFHeader:
 
     def tensor_bytes(self, tensor: GGUFTensorInfo) -> np.ndarray:
         """The tensor's stored bytes as a read-only uint8 array of shape (rows, bytes per row), not copied."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.ggml_type)]
-        row_bytes = tensor.dims[0] // block * type_size
-        rows = 1
-        for d in tensor.dims[1:]:
-            rows *= d
+        rows, row_bytes = tensor.row_layout()
         data = np.frombuffer(self._buffer, dtype=np.uint8, count=rows * row_bytes, offset=tensor.data_offset)
         return data.reshape(rows, row_bytes)
 
@@ -154,17 +158,12 @@ def _parse(buf: Any, path: str) -> GGUFHeader:
 
 def _check_tensor_data_fits(tensors: tuple[GGUFTensorInfo, ...], file_size: int, path: str) -> None:
     """Every tensor's bytes lie inside the file: a truncated download is named here, not at the first read."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     for t in tensors:
         try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+            rows, row_bytes = t.row_layout()
         except (ValueError, KeyError):
             raise GGUFFormatError(f"{path}: tensor {t.name!r} has unknown GGML type {t.ggml_type}") from None
-        elements = 1
-        for d in t.dims:
-            elements *= d
-        end = t.data_offset + elements // block * type_size
+        end = t.data_offset + rows * row_bytes
         if end > file_size:
             raise GGUFFormatError(
                 f"{path}: tensor {t.name!r} needs bytes up to {end} but the file has {file_size} (truncated download?)"

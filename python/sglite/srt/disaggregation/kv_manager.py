@@ -73,7 +73,6 @@ class _RoomEndpoint(abc.ABC):
         self.backend = backend
         self.buffers = list(buffers)
         self.rank = rank
-        self.engine_rank = rank.engine_rank
         self.timeout_s = timeout_s
         backend.register(self.buffers)
         self._ctx = zmq.Context.instance()
