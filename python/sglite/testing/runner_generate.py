@@ -87,3 +87,23 @@ def scheduler_greedy_generate(scheduler: Any, prompts: Sequence[Sequence[int]], 
         for j, rid in enumerate(msg.rids):
             ids.setdefault(rid, []).extend(msg.output_ids[j])
     return [ids.get(f"r{i}", []) for i in range(len(prompts))]
+
+
+@torch.no_grad()
+def assert_decodes_like(runner: Any, hf_model: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> None:
+    """The runner's prefill logits equal transformers' within the fp32 tolerance its own float64 run calibrates,
+    and its greedy continuations equal transformers', which must be non-degenerate and free of near-ties (exact
+    token equality is CPU-independent only without them)."""
+    from sglite.testing.fp32_reference import float64_copy, fp32_atol
+    from sglite.testing.greedy_margin import assert_clear_greedy_margins
+
+    rows = runner.req_to_token_pool.alloc(len(prompts))
+    out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, list(p)) for r, p in zip(rows, prompts)]))
+    runner.req_to_token_pool.free(rows)
+    ref = torch.stack([hf_model(torch.tensor([list(p)])).logits[0, -1] for p in prompts])
+    exact = torch.stack([float64_copy(hf_model)(torch.tensor([list(p)])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(out.next_token_logits, ref, atol=fp32_atol(ref, exact, floor=1e-4), rtol=0)
+    expected = hf_greedy(hf_model, prompts, new_tokens)
+    assert_clear_greedy_margins(hf_model, prompts, expected)
+    assert all(len(set(e)) > 3 for e in expected), expected  # a degenerate model would say little
+    assert greedy_generate(runner, prompts, new_tokens) == expected

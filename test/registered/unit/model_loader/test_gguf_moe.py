@@ -18,14 +18,11 @@ from sglite.srt.configs.gguf import GGUFError, find_gguf_file, gguf_metadata_dir
 from sglite.srt.configs.model_config import ModelConfig
 from sglite.srt.layers.cpu_gguf_linear import gguf_kernel_available
 from sglite.srt.managers.detokenizer_manager import load_tokenizer
-from sglite.srt.model_executor.forward_batch_info import ForwardMode
 from sglite.srt.model_executor.model_runner import ModelRunner
 from sglite.srt.model_loader.gguf_names import join_kv_b, to_hf_tensors
 from sglite.srt.model_loader.gguf_weights import iterate_gguf
 from sglite.srt.server_args import ServerArgs
-from sglite.testing.fp32_reference import float64_copy, fp32_atol
-from sglite.testing.greedy_margin import assert_clear_greedy_margins
-from sglite.testing.runner_generate import greedy_generate, hf_greedy
+from sglite.testing.runner_generate import assert_decodes_like
 from sglite.testing.tiny_gguf import write_gguf
 from sglite.testing.tiny_models import build_tiny_model, load_hf_model
 
@@ -60,22 +57,6 @@ def _runner(gguf_dir: str) -> ModelRunner:
     return ModelRunner(ServerArgs(model_path=gguf_dir, device="cpu", cpu_kv_cache_budget_mb=2).validate())
 
 
-@torch.no_grad()
-def _assert_decodes_like(runner: ModelRunner, hf) -> None:
-    """Prefill logits within the fp32 tolerance of the models tests, then 16 greedy tokens equal."""
-    rows = runner.req_to_token_pool.alloc(len(PROMPTS))
-    out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, PROMPTS)]))
-    runner.req_to_token_pool.free(rows)
-    ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
-    exact = torch.stack([float64_copy(hf)(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
-    torch.testing.assert_close(out.next_token_logits, ref, atol=fp32_atol(ref, exact, floor=1e-4), rtol=0)
-    expected = hf_greedy(hf, PROMPTS, 16)
-    # Tokens are compared exactly, which is CPU-independent only without near-ties (see greedy_margin).
-    assert_clear_greedy_margins(hf, PROMPTS, expected)
-    assert all(len(set(e)) > 3 for e in expected), expected  # a degenerate model would say little
-    assert greedy_generate(runner, PROMPTS, 16) == expected
-
-
 @pytest.mark.parametrize(
     "arch,split_kv_b", [("qwen3_moe", True), ("deepseek_v3", True), ("deepseek_v3", False)],
     ids=["qwen3moe", "deepseek2", "deepseek2-unsplit-kv_b"],
@@ -95,7 +76,7 @@ def test_f32_gguf_decodes_like_transformers_on_the_original(arch, split_kv_b, tm
     assert set(ours) == set(stored)
     for name, tensor in ours.items():
         assert torch.equal(tensor, stored[name]), name
-    _assert_decodes_like(_runner(d), load_hf_model(hf_dir))
+    assert_decodes_like(_runner(d), load_hf_model(hf_dir), PROMPTS, 16)
 
 
 @pytest.mark.parametrize("quant", ["F32", "Q8_0"])
@@ -110,7 +91,7 @@ def test_qwen3moe_gguf_decodes_like_transformers_on_the_same_file(quant, tmp_pat
         with_blocks = {n for n, m in runner.model.named_modules() if getattr(m, "gguf_weight", None) is not None}
         attention = {f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("qkv_proj", "o_proj")}
         assert with_blocks == attention | {"lm_head"}
-    _assert_decodes_like(runner, hf)
+    assert_decodes_like(runner, hf, PROMPTS, 16)
 
 
 def _llama_cpp_round_trip(name: str, w: torch.Tensor, config: dict) -> torch.Tensor:
@@ -151,7 +132,7 @@ def test_deepseek2_q8_0_gguf_decodes_like_transformers_on_its_weights(tmp_path, 
     assert changed > 20  # the file is quantized: most matrices moved
     hf = load_hf_model(hf_dir)
     hf.load_state_dict(_as_hf_params(ours, hf.state_dict()))
-    _assert_decodes_like(_runner(d), hf)
+    assert_decodes_like(_runner(d), hf, PROMPTS, 16)
 
 
 def _as_hf_params(ours: dict, reference: dict) -> dict:
@@ -198,7 +179,7 @@ def test_deepseek2_config_and_tokenizer_from_the_metadata(tmp_path, rank0):
     tok = load_tokenizer(d)
     text = "Hello world! <|im_start|>user"
     assert tok.encode(text) == AutoTokenizer.from_pretrained(hf_dir).encode(text)
-    _assert_decodes_like(_runner(d), load_hf_model(hf_dir))  # the original has no eos: no stop on either side
+    assert_decodes_like(_runner(d), load_hf_model(hf_dir), PROMPTS, 16)  # the original has no eos: no stop on either side
 
 
 def test_qwen3moe_metadata_folder_is_transformers_conversion_plus_the_expert_width(tmp_path):

@@ -19,7 +19,7 @@ from sglite.srt.model_executor.model_runner import ModelRunner
 from sglite.srt.model_loader.gguf_weights import iterate_gguf, unpermute_rope_rows
 from sglite.srt.server_args import ServerArgs, ServerArgsError
 from sglite.testing.fp32_reference import float64_copy, fp32_atol
-from sglite.testing.runner_generate import greedy_generate, hf_greedy
+from sglite.testing.runner_generate import assert_decodes_like, greedy_generate, hf_greedy
 from sglite.testing.greedy_margin import assert_clear_greedy_margins
 from sglite.testing.tiny_gguf import permute_rope_rows, write_gguf
 from sglite.testing.tiny_models import build_tiny_model
@@ -74,15 +74,7 @@ def test_gguf_matches_transformers_on_the_same_file(arch, quant, tmp_path, rank0
     args = ServerArgs(model_path=d, device="cpu", cpu_kv_cache_budget_mb=2).validate()
     runner = ModelRunner(args)
     assert runner.model_config.architectures == [type(hf).__name__]
-    rows = runner.req_to_token_pool.alloc(len(PROMPTS))
-    out = runner.forward(runner.build_forward_batch(ForwardMode.EXTEND, [(r, 0, p) for r, p in zip(rows, PROMPTS)]))
-    runner.req_to_token_pool.free(rows)
-    ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
-    exact = torch.stack([float64_copy(hf)(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
-    torch.testing.assert_close(out.next_token_logits, ref, atol=fp32_atol(ref, exact, floor=1e-4), rtol=0)
-    expected = _greedy_reference(hf, PROMPTS, 16)
-    assert all(len(set(e)) > 3 for e in expected), expected  # a degenerate model would say little
-    assert greedy_generate(runner, PROMPTS, 16) == expected
+    assert_decodes_like(runner, hf, PROMPTS, 16)
 
 
 @pytest.mark.parametrize("quant", ["F32", "F16", "Q8_0", "Q4_1"])
